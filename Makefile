@@ -1,0 +1,26 @@
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench tutorials clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet torch==2.14.1 torchvision==0.29.1 || $(BIN)/pip install --quiet "torch>=2.4" "torchvision>=0.19"
+	$(BIN)/pip install --quiet -e ".[examples,dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python examples/mnist/train.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/mnist_training.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

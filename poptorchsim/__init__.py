@@ -1,0 +1,89 @@
+"""poptorchsim: PopTorch's API on a simulated IPU.
+
+``import poptorchsim as poptorch`` runs PopTorch programs: models are traced
+with torch.fx, lowered to an IPU graph IR, mapped onto a simulated tile array
+and run with PyTorch's own kernels.
+"""
+import logging
+
+import torch
+
+from . import enums, optim
+from .data import DataLoader
+from .enums import *  # noqa: F401,F403 - PopTorch re-exports its enums
+from .errors import (BatchDimensionError, DataDependentError, Error, InputMismatchError,
+                     LossError, OutOfMemoryError, RecoverableError, UnrecoverableError,
+                     UnsupportedOperationError, createPoptorchError)
+from .ops import identity_loss, ipuHardwareIsAvailable, isRunningOnIpu
+from .options import Options
+from .runtime.executor import PoplarExecutor
+
+__version__ = "0.1.0"
+logger = logging.getLogger("poptorchsim")
+
+WRAPPED_ERR = ("Model has already been wrapped in 'poptorch.trainingModel'. Call "
+               "model.destroy() on the model to unwrap before wrapping again.")
+
+
+def _options_or_default(options):
+    if options is None:
+        return Options()
+    if not isinstance(options, Options):
+        raise Error(f"Invalid type: 'options' is of type {type(options)} "
+                    "(Expected poptorch.Options)")
+    return options
+
+
+def trainingModel(model, options=None, optimizer=None):
+    """Wraps ``model`` for training on the simulated IPU.
+
+    The user's model keeps sharing its parameters: after each call it holds
+    the trained weights.  The default optimizer is SGD with lr 0.01.
+    """
+    if isinstance(model, PoplarExecutor):
+        model = model.model
+    if getattr(model, "_poptorchsim_wrapper", None) is not None:
+        raise RuntimeError(WRAPPED_ERR)
+    options = _options_or_default(options)
+    if optimizer is None:
+        optimizer = optim.SGD(model.parameters(), lr=0.01)
+    from .capture.optimizers import optimizer_kind
+    optimizer_kind(optimizer)
+    options._freeze()
+    executor = PoplarExecutor(model, _frozen_clone(options), training=True,
+                              optimizer=optimizer)
+    model._poptorchsim_wrapper = executor
+    model.destroy = executor.destroy
+    return executor
+
+
+def inferenceModel(model, options=None):
+    """Wraps ``model`` for inference (traced in eval mode) on the simulated IPU."""
+    if isinstance(model, PoplarExecutor):
+        model = model.model
+    options = _options_or_default(options)
+    if options.Training.gradient_accumulation != 1:
+        raise Error(
+            "You must set poptorch.Options().Training.gradientAccumulation to 1 or leave "
+            "it as its default value (1) when running a poptorch.inferenceModel().")
+    options._freeze()
+    return PoplarExecutor(model, _frozen_clone(options), training=False)
+
+
+def _frozen_clone(options):
+    clone = options.clone()
+    clone._freeze()
+    return clone
+
+
+def setLogLevel(level):
+    levels = {"TRACE": 5, "DEBUG": logging.DEBUG, "INFO": logging.INFO,
+              "WARN": logging.WARNING, "ERR": logging.ERROR, "OFF": logging.CRITICAL + 10}
+    if isinstance(level, int):
+        if level not in (0, 1, 2, 3, 4, 6):
+            raise ValueError("Invalid log level integer")
+        level = ["TRACE", "DEBUG", "INFO", "WARN", "ERR", None, "OFF"][level]
+    if level not in levels:
+        raise ValueError(f"Unknown log level: {level}. Valid values are DEBUG, ERR, INFO, "
+                         "OFF, TRACE and WARN")
+    logger.setLevel(levels[level])

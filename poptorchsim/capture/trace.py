@@ -1,0 +1,287 @@
+"""Capture: a module, its optimizer and example inputs -> static fx graphs.
+
+Two graphs describe a training step, both traced with ``make_fx`` over fake
+tensors (no real compute) and functionalized (no mutation):
+
+* the *step* graph: forward, loss and backward of one micro-batch,
+  ``(params, buffers, inputs) -> (outputs, grads, new buffers)``, its
+  backward made by torch's own autograd through ``torch.func.grad_and_value``;
+* the *update* graph: one optimizer step for every trainable parameter,
+  ``(params, grads, state, steps, hyper) -> (new params, new state, steps)``.
+
+Inference has the forward alone.  Nothing here knows about tiles.
+"""
+import contextlib
+import inspect
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+from torch._decomp import get_decompositions
+from torch.func import functional_call, functionalize, grad_and_value
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ..errors import DataDependentError, LossError
+from . import losses as _losses
+from . import optimizers as _opt
+
+aten = torch.ops.aten
+_tracing = threading.local()
+
+# Batch norm mutates its running statistics without saying so in its
+# schema; its functional decomposition makes the update visible.
+DECOMPOSITIONS = get_decompositions([
+    aten.native_batch_norm, aten._native_batch_norm_legit,
+    aten._native_batch_norm_legit_no_training,
+])
+
+
+def is_tracing():
+    return getattr(_tracing, "active", False)
+
+
+@contextlib.contextmanager
+def _tracing_scope():
+    _tracing.active = True
+    try:
+        yield
+    finally:
+        _tracing.active = False
+
+
+@dataclass
+class Capture:
+    """What capture hands to lowering: fx graphs plus how to call them."""
+    kind: str                          # "training" or "inference"
+    graph: torch.fx.GraphModule        # step (training) or forward (inference)
+    param_names: list
+    trainable_names: list
+    buffer_names: list
+    input_spec: object                 # pytree spec of (args, kwargs)
+    input_leaves: list                 # ("tensor", shape, dtype) | ("const", value)
+    output_spec: object
+    output_leaves: list                # ("tensor", i) | ("const", value)
+    n_tensor_outputs: int
+    loss_kind: str = ""
+    example_inputs: list = field(default_factory=list)
+
+
+def bind_inputs(module, args, kwargs):
+    """Args and kwargs bound to ``forward``'s signature, defaults filled in."""
+    sig = inspect.signature(module.forward)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        from ..errors import Error
+        raise Error(f"{exc}: the inputs do not match "
+                    f"{type(module).__name__}.forward{sig}") from None
+    bound.apply_defaults()
+    return tuple(bound.args), dict(bound.kwargs)
+
+
+def _flatten_inputs(args, kwargs):
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    described, tensors = [], []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            described.append(("tensor", tuple(leaf.shape), leaf.dtype))
+            tensors.append(leaf)
+        else:
+            described.append(("const", leaf))
+    return described, spec, tensors
+
+
+def _rebuild_inputs(described, spec, tensors):
+    it = iter(tensors)
+    leaves = [next(it) if d[0] == "tensor" else d[1] for d in described]
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _user_frame(exc):
+    """The innermost traceback line that belongs to the user's code."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" not in path and "/poptorchsim/" not in path:
+            return f'{frame.filename}:{frame.lineno}: {frame.line}'
+    return "unknown location"
+
+
+DATA_DEPENDENT_HELP = (
+    "The IPU program is static: it is traced once, so Python code inside "
+    "forward() cannot depend on the values of tensors (.item(), .tolist(), "
+    "bool(tensor), `if tensor:`, data-dependent shapes). Replace it with tensor "
+    "operations such as torch.where, or move it out of forward().")
+
+
+def _trace(fn, example, what):
+    try:
+        with _tracing_scope():
+            gm = make_fx(functionalize(fn, remove="mutations"), tracing_mode="fake",
+                         decomposition_table=DECOMPOSITIONS)(*example)
+    except (DataDependentError, LossError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - classified below
+        name = type(exc).__name__
+        if name in ("GuardOnDataDependentSymNode", "DataDependentOutputException",
+                    "DynamicOutputShapeException") or "data-dependent" in str(exc):
+            raise DataDependentError(
+                f"While tracing the {what}, forward() used the value of a tensor "
+                f"at {_user_frame(exc)} ({name}). {DATA_DEPENDENT_HELP}") from None
+        raise
+    for node in gm.graph.nodes:
+        if node.target in (aten._local_scalar_dense.default, aten.item.default):
+            stack = node.meta.get("stack_trace", "") or ""
+            where = stack.strip().splitlines()[-2:] if stack else []
+            raise DataDependentError(
+                f"While tracing the {what}, forward() read a tensor's value into "
+                f"Python (.item() or similar){': ' + ' '.join(w.strip() for w in where) if where else ''}. "
+                f"{DATA_DEPENDENT_HELP}")
+    return gm
+
+
+def _select_loss(recorded):
+    identity = [t for kind, t in recorded if kind == "identity_loss"]
+    candidates = identity or [t for _, t in recorded]
+    if not candidates:
+        raise LossError(
+            "Couldn't find a loss in graph! A trainingModel's forward() must "
+            "compute its loss with a torch loss function (torch.nn.CrossEntropyLoss, "
+            "F.mse_loss, ...) or mark it with poptorchsim.identity_loss(loss, "
+            "reduction='mean').")
+    if len(candidates) > 1:
+        raise LossError(
+            "Multiple independent losses found in graph. Graph must have one final "
+            "loss. Wrap final graph loss in poptorch.identity_loss.")
+    kind = "identity_loss" if identity else recorded[0][0]
+    return candidates[0], kind
+
+
+def _split_state(module):
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+    return params, buffers
+
+
+def capture_training(module, args, kwargs, in_optimizer):
+    """Trace forward + loss + backward of one micro-batch.
+
+    Parameters that require grad and belong to the optimizer are trained;
+    the others are held constant."""
+    params, buffers = _split_state(module)
+    param_names = list(params)
+    trainable = [n for n in param_names if params[n].requires_grad and n in in_optimizer]
+    frozen = [n for n in param_names if n not in trainable]
+    buffer_names = list(buffers)
+    described, spec, tensors = _flatten_inputs(args, kwargs)
+    out_info = {}
+
+    def step(p_train, p_frozen, bufs, inputs):
+        def loss_of(p_train, bufs):
+            a, kw = _rebuild_inputs(described, spec, inputs)
+            with _losses.LossRecorder() as recorder:
+                out = functional_call(module, {**p_train, **p_frozen, **bufs}, a, kw)
+            loss, kind = _select_loss(recorder.losses)
+            out_info["loss_kind"] = kind
+            scalar = loss if loss.dim() == 0 else loss.sum()
+            return scalar, (out, bufs)
+        grads, (_, (out, new_bufs)) = grad_and_value(loss_of, has_aux=True)(p_train, bufs)
+        leaves, out_spec = pytree.tree_flatten(out)
+        out_info["spec"] = out_spec
+        out_info["leaves"] = leaves
+        t_out = [x for x in leaves if isinstance(x, torch.Tensor)]
+        return (t_out, [grads[n] for n in trainable], [new_bufs[n] for n in buffer_names])
+
+    example = (
+        {n: params[n].detach() for n in trainable},
+        {n: params[n].detach() for n in frozen},
+        {n: buffers[n].detach() for n in buffer_names},
+        [t.detach() for t in tensors],
+    )
+    gm = _trace(step, example, "training step")
+    return _finish(Capture("training", gm, trainable + frozen, trainable, buffer_names,
+                           spec, described, None, None, 0,
+                           loss_kind=out_info.get("loss_kind", ""),
+                           example_inputs=tensors), out_info)
+
+
+def capture_inference(module, args, kwargs):
+    """Trace the forward of one micro-batch, in eval mode."""
+    params, buffers = _split_state(module)
+    param_names = list(params)
+    buffer_names = list(buffers)
+    described, spec, tensors = _flatten_inputs(args, kwargs)
+    out_info = {}
+
+    def forward(p, bufs, inputs):
+        a, kw = _rebuild_inputs(described, spec, inputs)
+        out = functional_call(module, {**p, **bufs}, a, kw)
+        leaves, out_spec = pytree.tree_flatten(out)
+        out_info["spec"], out_info["leaves"] = out_spec, leaves
+        return ([x for x in leaves if isinstance(x, torch.Tensor)],
+                [bufs[n] for n in buffer_names])
+
+    modes = {m: m.training for m in module.modules()}
+    module.eval()
+    try:
+        with torch.no_grad():
+            example = ({n: params[n].detach() for n in param_names},
+                       {n: buffers[n].detach() for n in buffer_names},
+                       [t.detach() for t in tensors])
+            gm = _trace(forward, example, "inference forward")
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    return _finish(Capture("inference", gm, param_names, [], buffer_names, spec,
+                           described, None, None, 0, example_inputs=tensors), out_info)
+
+
+def _finish(capture, out_info):
+    leaves = out_info["leaves"]
+    described, k = [], 0
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            described.append(("tensor", k))
+            k += 1
+        else:
+            described.append(("const", leaf))
+    capture.output_spec = out_info["spec"]
+    capture.output_leaves = described
+    capture.n_tensor_outputs = k
+    return capture
+
+
+def capture_update(kind, shapes, group_of, flags_per_group):
+    """Trace one optimizer step over every trainable parameter.
+
+    ``shapes``: parameter shapes in order; ``group_of[i]``: its param_group;
+    ``flags_per_group``: the structural flags of each group.
+    """
+    state_names, hyper_names, rule = _opt.RULES[kind]
+    n_groups = len(flags_per_group)
+
+    def update(params, grads, state, steps, hyper, grad_scale):
+        new_params, new_state, new_steps = [], [], []
+        for i, (p, g) in enumerate(zip(params, grads)):
+            grp = group_of[i]
+            h = {name: hyper[grp * len(hyper_names) + j] for j, name in enumerate(hyper_names)}
+            step = steps[i] + 1
+            p_new, s_new = rule(p, g * grad_scale, state[i], h, step, flags_per_group[grp])
+            new_params.append(p_new)
+            new_state.append(list(s_new))
+            new_steps.append(step)
+        return new_params, new_state, new_steps
+
+    example = (
+        [torch.zeros(s) for s in shapes],
+        [torch.zeros(s) for s in shapes],
+        [[torch.zeros(s) for _ in state_names] for s in shapes],
+        [torch.zeros((), dtype=torch.float32) for _ in shapes],
+        [torch.zeros((), dtype=torch.float64) for _ in range(n_groups * len(hyper_names))],
+        torch.ones((), dtype=torch.float32),
+    )
+    with _tracing_scope():
+        return make_fx(update, tracing_mode="fake")(*example)

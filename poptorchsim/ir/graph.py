@@ -1,0 +1,152 @@
+"""The IPU graph IR: tensors, ops, graphs and the program that runs them.
+
+A ``Graph`` is a static, single-assignment list of ``Op``s over ``Tensor``s.
+Every op names its ATen overload (the numerics) and its cost class (the
+machine's work).  A ``Program`` is the control program around graphs, as
+Poplar builds it: repeat loops for device iterations and gradient
+accumulation, host streams, calls of graphs on a replica, cross-replica
+reductions.
+"""
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+# Roles a tensor plays; the first group is always live on the device.
+ALWAYS_LIVE_ROLES = ("param", "buffer", "state", "hyper", "accumulator", "const")
+ROLES = ALWAYS_LIVE_ROLES + ("input", "activation")
+
+
+@dataclass(eq=False)
+class Tensor:
+    id: int
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    role: str = "activation"
+    producer: Optional["Op"] = None
+    value: Optional[torch.Tensor] = None     # constants only
+
+    @property
+    def numel(self):
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+    @property
+    def nbytes(self):
+        return self.numel * _itemsize(self.dtype)
+
+    def __repr__(self):
+        return f"%{self.name}"
+
+
+def _itemsize(dtype):
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(eq=False)
+class Op:
+    id: int
+    name: str
+    target: Any                      # an ATen OpOverload
+    args: tuple                      # pytree of Tensors and constants
+    kwargs: dict
+    outputs: list                    # Tensors (None where the op returns none)
+    cost_class: str
+    multi_output: bool = False
+
+    def input_tensors(self):
+        found = []
+
+        def visit(x):
+            if isinstance(x, Tensor):
+                found.append(x)
+            elif isinstance(x, (list, tuple)):
+                for y in x:
+                    visit(y)
+            elif isinstance(x, dict):
+                for y in x.values():
+                    visit(y)
+        visit(self.args)
+        visit(self.kwargs)
+        return found
+
+
+@dataclass(eq=False)
+class Graph:
+    name: str
+    inputs: list = field(default_factory=list)     # Tensors, in call order
+    ops: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)    # Tensors
+    tensors: list = field(default_factory=list)
+
+    def new_tensor(self, name, shape, dtype, role="activation", producer=None, value=None):
+        t = Tensor(len(self.tensors), name, tuple(int(s) for s in shape), dtype, role,
+                   producer, value)
+        self.tensors.append(t)
+        return t
+
+    def __str__(self):
+        from .printer import format_graph
+        return format_graph(self)
+
+
+# -- the control program ---------------------------------------------------------
+@dataclass(eq=False)
+class Step:
+    """Base class of program steps."""
+
+
+@dataclass(eq=False)
+class Sequence(Step):
+    steps: list
+
+
+@dataclass(eq=False)
+class Repeat(Step):
+    count: int
+    body: Step
+    counter: str                      # "device_iteration" or "accumulation"
+
+
+@dataclass(eq=False)
+class HostToDevice(Step):
+    """Streams the next device iteration's micro-batches from the host."""
+    nbytes: int
+
+
+@dataclass(eq=False)
+class DeviceToHost(Step):
+    """Streams outputs to the host, as the output mode asks."""
+    nbytes: int
+    mode: str
+
+
+@dataclass(eq=False)
+class Call(Step):
+    """Runs a graph once on every replica."""
+    graph: Graph
+    replicas: int
+
+
+@dataclass(eq=False)
+class AllReduce(Step):
+    """Sums the gradient accumulators across replicas."""
+    nbytes: int
+    replicas: int
+
+
+@dataclass(eq=False)
+class Program:
+    kind: str                         # "training" or "inference"
+    graphs: dict                      # name -> Graph
+    main: Step
+    replicas: int = 1
+    device_iterations: int = 1
+    accumulation: int = 1
+
+    def __str__(self):
+        from .printer import format_program
+        return format_program(self)

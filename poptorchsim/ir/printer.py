@@ -1,0 +1,64 @@
+"""Readable text for graphs and programs, one line per op."""
+import torch
+
+from .graph import AllReduce, Call, DeviceToHost, HostToDevice, Repeat, Sequence, Tensor
+
+_DTYPES = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16",
+           torch.int64: "i64", torch.int32: "i32", torch.bool: "bool",
+           torch.uint8: "u8", torch.int8: "i8", torch.bfloat16: "bf16"}
+
+
+def type_str(t):
+    return f"{_DTYPES.get(t.dtype, str(t.dtype))}[{','.join(map(str, t.shape))}]"
+
+
+def _arg(x):
+    if isinstance(x, Tensor):
+        return f"%{x.name}"
+    if isinstance(x, (list, tuple)):
+        inner = ", ".join(_arg(y) for y in x)
+        return f"[{inner}]"
+    return repr(x)
+
+
+def format_graph(graph):
+    lines = [f"graph {graph.name}("]
+    for t in graph.inputs:
+        lines.append(f"    %{t.name}: {type_str(t)}  # {t.role}")
+    lines.append("):")
+    for op in graph.ops:
+        outs = ", ".join(f"%{t.name}: {type_str(t)}" if t is not None else "_"
+                         for t in op.outputs)
+        args = ", ".join(_arg(a) for a in op.args)
+        if op.kwargs:
+            args += ", " + ", ".join(f"{k}={_arg(v)}" for k, v in op.kwargs.items())
+        lines.append(f"  {outs} = {op.target}({args})  # {op.cost_class}")
+    lines.append(f"  return {_arg(list(graph.outputs))}")
+    return "\n".join(lines)
+
+
+def format_program(program):
+    lines = [f"program {program.kind} (replicas={program.replicas})"]
+
+    def visit(step, depth):
+        pad = "  " * depth
+        if isinstance(step, Sequence):
+            for s in step.steps:
+                visit(s, depth)
+        elif isinstance(step, Repeat):
+            lines.append(f"{pad}repeat {step.count} ({step.counter}):")
+            visit(step.body, depth + 1)
+        elif isinstance(step, Call):
+            lines.append(f"{pad}call {step.graph.name} on {step.replicas} replica(s) "
+                         f"[{len(step.graph.ops)} ops]")
+        elif isinstance(step, HostToDevice):
+            lines.append(f"{pad}stream host->device {step.nbytes} B")
+        elif isinstance(step, DeviceToHost):
+            lines.append(f"{pad}stream device->host {step.nbytes} B ({step.mode})")
+        elif isinstance(step, AllReduce):
+            lines.append(f"{pad}all-reduce {step.nbytes} B across {step.replicas} replicas")
+    visit(program.main, 1)
+    text = "\n".join(lines)
+    for graph in program.graphs.values():
+        text += "\n\n" + format_graph(graph)
+    return text

@@ -1,0 +1,135 @@
+"""The per-tile cost model: what one op costs as a BSP superstep.
+
+For an op whose result is mapped by ``passes.tile_mapping``, the work on each
+tile follows the bytes of the result on that tile (an array over tiles):
+
+* matmul and convolution: multiply-accumulates on the AMP units, each output
+  element costing its reduction length; the operands a tile needs arrive over
+  the exchange and sit in temporary memory, which the available-memory
+  proportion bounds (the planner then serializes, paying extra supersteps);
+* element-wise work: bytes through the vector unit, transcendental functions
+  at a quarter of that rate;
+* reductions: a local pass, then partials exchanged and reduced in a second
+  superstep;
+* views are free; copies cost exchange.
+
+Every superstep pays one sync.  A step's cycles are the sum, over its
+supersteps, of the slowest tile.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+VERTEX_OVERHEAD = 40            # cycles to start a compute set's vertices
+
+
+@dataclass
+class OpCost:
+    compute: float = 0.0        # cycles of the slowest tile
+    exchange: float = 0.0
+    sync: float = 0.0
+    temp_bytes: object = 0      # temporary bytes per tile (array or 0)
+    macs: int = 0
+    flops: int = 0
+
+    @property
+    def total(self):
+        return self.compute + self.exchange + self.sync
+
+
+def _itemsize(t):
+    return t.nbytes // max(t.numel, 1)
+
+
+def _macs(op):
+    """(MACs, reduction length per output element) of matmul/conv ops."""
+    name = op.target.overloadpacket.__name__
+    out = op.outputs[0]
+    if name in ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "mv", "addmv", "dot"):
+        a = op.args[1] if name in ("addmm", "baddbmm", "addmv") else op.args[0]
+        k = a.shape[-1]
+        return out.numel * k, k
+    if name == "convolution":
+        weight, groups = op.args[1], op.args[8]
+        k = weight.numel // weight.shape[0]
+        return out.numel * k, k
+    if name == "convolution_backward":
+        grad_out, inp, weight = op.args[0], op.args[1], op.args[2]
+        total = 0
+        if op.outputs[0] is not None:          # grad input
+            total += inp.numel * (weight.numel // weight.shape[1])
+        if op.outputs[1] is not None:          # grad weight
+            total += weight.numel * (grad_out.numel // grad_out.shape[1])
+        return total, max(1, total // max(grad_out.numel, 1))
+    return out.numel, 1
+
+
+def op_cost(op, target, amp=0.6):
+    """The ``OpCost`` of ``op`` on ``target``; tensors must be tile-mapped."""
+    cls = op.cost_class
+    outs = [t for t in op.outputs if t is not None]
+    if cls == "view" or not outs:
+        return OpCost()
+    tiles = target.tiles
+    out_bytes = sum(t.mapping.bytes_per_tile(tiles) for t in outs)
+    out_max = float(out_bytes.max())
+    item = max(_itemsize(outs[0]), 1)
+    sync = target.sync_cycles
+    cost = OpCost(sync=sync)
+
+    if cls in ("matmul", "conv"):
+        macs, _ = _macs(op)
+        rate = target.amp_macs_fp16 if item == 2 else target.amp_macs_fp32
+        total_out = max(float(out_bytes.sum()), 1.0)
+        share = out_bytes / total_out                      # work follows the output
+        cost.macs = macs
+        cost.flops = 2 * macs
+        cost.compute = float((share * macs).max()) / rate + VERTEX_OVERHEAD
+        # Operands each tile must receive: a grid split of the output over the
+        # tiles in use; every tile gets its rows of A and columns of B.
+        ins = op.input_tensors()
+        in_bytes = float(sum(t.nbytes for t in ins))
+        used = max(int((out_bytes > 0).sum()), 1)
+        recv = in_bytes / np.sqrt(used)
+        limit = amp * target.bytes_per_tile
+        serial = max(1, int(np.ceil(recv / limit)))
+        cost.exchange = recv / target.exchange_bytes_per_cycle
+        cost.sync = sync * serial
+        cost.compute += VERTEX_OVERHEAD * (serial - 1)
+        cost.temp_bytes = np.where(out_bytes > 0, recv / serial, 0.0)
+        return cost
+
+    if cls in ("elementwise", "transcendental", "random", "creation"):
+        per_cycle = target.vector_bytes * {"transcendental": 0.25, "random": 0.5,
+                                           "creation": 2.0}.get(cls, 1.0)
+        cost.compute = out_max / per_cycle + VERTEX_OVERHEAD
+        cost.flops = sum(t.numel for t in outs)
+        # Inputs of the same size mapped elsewhere travel over the exchange.
+        moved = 0.0
+        for t in op.input_tensors():
+            m = getattr(t, "mapping", None)
+            if m is not None and t.nbytes == outs[0].nbytes and \
+                    (m.start, m.n_tiles) != (outs[0].mapping.start, outs[0].mapping.n_tiles):
+                moved += out_max
+            elif m is not None and t.nbytes < outs[0].nbytes:
+                moved += min(t.nbytes, out_max)           # broadcast operand
+        cost.exchange = moved / target.exchange_bytes_per_cycle
+        return cost
+
+    ins = op.input_tensors()
+    in_bytes = sum(t.nbytes for t in ins)
+    spread_in = float(max((t.mapping.max_bytes() for t in ins), default=0))
+    if cls in ("reduction", "softmax", "loss", "norm", "pool"):
+        passes = {"reduction": 1, "pool": 1, "softmax": 3, "loss": 3, "norm": 4}[cls]
+        cost.compute = passes * spread_in / target.vector_bytes + 2 * VERTEX_OVERHEAD
+        partials = min(in_bytes, tiles * item * max(1, sum(t.numel for t in outs) // tiles + 1))
+        cost.exchange = (partials / max(1, outs[0].mapping.n_tiles)
+                         + out_max) / target.exchange_bytes_per_cycle
+        cost.sync = 2 * sync
+        cost.flops = passes * sum(t.numel for t in ins)
+        return cost
+
+    # copies and rearrangements: data moves over the exchange
+    cost.exchange = out_max / target.exchange_bytes_per_cycle
+    cost.compute = out_max / target.vector_bytes + VERTEX_OVERHEAD
+    return cost

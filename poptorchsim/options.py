@@ -1,0 +1,394 @@
+"""``poptorchsim.Options``: PopTorch's option object, its setters and checks.
+
+Every setter validates at once, returns ``self`` so calls chain, and raises
+the exception PopTorch raises, with PopTorch's text.  ``trainingModel``,
+``inferenceModel`` and ``DataLoader`` freeze the object they are given; the
+executor keeps its own frozen clone.
+"""
+import copy
+import json
+import os
+
+from . import enums
+from .errors import Error
+
+FROZEN_MESSAGE = "Can't modify frozen Options"
+
+
+class _OptionsDict:
+    """Values held in ``_values`` and read as attributes, frozen on demand."""
+
+    def __init__(self, **defaults):
+        object.__setattr__(self, "_values", dict(defaults))
+        object.__setattr__(self, "_frozen", False)
+
+    # -- freezing -----------------------------------------------------------
+    def _children(self):
+        return [v for v in vars(self).values() if isinstance(v, _OptionsDict)]
+
+    def _freeze(self):
+        object.__setattr__(self, "_frozen", True)
+        for child in self._children():
+            child._freeze()
+
+    def _unfreeze(self):
+        object.__setattr__(self, "_frozen", False)
+        for child in self._children():
+            child._unfreeze()
+
+    def _check_not_frozen(self):
+        if self._frozen:
+            raise AttributeError(FROZEN_MESSAGE)
+
+    def __setattr__(self, name, value):
+        self._check_not_frozen()
+        object.__setattr__(self, name, value)
+
+    # -- values ---------------------------------------------------------------
+    def set(self, **kwargs):
+        self._check_not_frozen()
+        for key, value in kwargs.items():
+            assert key in self._values, (
+                f"Invalid option {key}, valid options are {sorted(self._values)}")
+            expected = type(self._values[key])
+            if not isinstance(value, expected) and not (
+                    expected is float and isinstance(value, int)):
+                raise AssertionError(
+                    f"Unexpected type {type(value)} for option {key}. "
+                    f"Expected {expected}")
+            self._values[key] = value
+        return self
+
+    def createOrSet(self, **kwargs):
+        self._check_not_frozen()
+        self._values.update(kwargs)
+        return self
+
+    def exists(self, key):
+        return key in self._values
+
+    def deleteIfExists(self, key):
+        self._check_not_frozen()
+        self._values.pop(key, None)
+
+    def toDict(self):
+        out = dict(self._values)
+        for name, child in vars(self).items():
+            if isinstance(child, _OptionsDict):
+                out[name.strip("_")] = child.toDict()
+        return out
+
+    def __getattr__(self, name):
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return values[name]
+        raise AttributeError(f"Invalid attribute {name}.")
+
+    def __deepcopy__(self, memo):
+        clone = self.__class__.__new__(self.__class__)
+        for key, value in vars(self).items():
+            object.__setattr__(clone, key, copy.deepcopy(value, memo))
+        clone._unfreeze()
+        return clone
+
+    def __getstate__(self):
+        return vars(self).copy()
+
+    def __setstate__(self, state):
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
+
+    def __repr__(self):
+        parts = [f"{k}={v!r}" for k, v in self._values.items()]
+        parts += [f"{k.strip('_')}={v!r}" for k, v in vars(self).items()
+                  if isinstance(v, _OptionsDict)]
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+
+class _TrainingOptions(_OptionsDict):
+    """``Options.Training``: gradient accumulation and its reduction."""
+
+    def __init__(self):
+        super().__init__(
+            gradient_accumulation=1,
+            accumulation_and_replication_reduction_type=enums.ReductionType.Mean,
+            meanAccumulationAndReplicationReductionStrategy=(
+                enums.MeanReductionStrategy.Post),
+            auto_loss_scaling=False,
+        )
+
+    def gradientAccumulation(self, gradient_accumulation):
+        """Micro-batches whose gradients are reduced into one weight update."""
+        _check_positive_int("gradientAccumulation", gradient_accumulation)
+        self.set(gradient_accumulation=gradient_accumulation)
+        return self
+
+    def accumulationAndReplicationReductionType(self, reduction_type):
+        if reduction_type not in (enums.ReductionType.Sum, enums.ReductionType.Mean):
+            raise ValueError("Reduction type must be poptorch.ReductionType.Sum or "
+                             "poptorch.ReductionType.Mean")
+        self._check_not_frozen()
+        self._values["accumulation_and_replication_reduction_type"] = reduction_type
+        return self
+
+    def setMeanAccumulationAndReplicationReductionStrategy(self, strategy):
+        if not isinstance(strategy, enums.MeanReductionStrategy):
+            raise ValueError("Expected a poptorch.MeanReductionStrategy")
+        self._check_not_frozen()
+        self._values["meanAccumulationAndReplicationReductionStrategy"] = strategy
+        return self
+
+    def setAutomaticLossScaling(self, enabled):
+        self.set(auto_loss_scaling=bool(enabled))
+        return self
+
+
+class _DistributedOptions(_OptionsDict):
+    """``Options.Distributed``: process rank and count, read from the environment."""
+
+    def __init__(self):
+        super().__init__(num_distributed_processes=1, distributed_process_id=0)
+        self.setEnvVarNames("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
+
+    def setEnvVarNames(self, var_num_processes, var_process_id):
+        self.configureProcessId(int(os.environ.get(var_process_id, "0")),
+                                int(os.environ.get(var_num_processes, "1")))
+        return self
+
+    def configureProcessId(self, process_id, num_processes):
+        self.set(distributed_process_id=process_id,
+                 num_distributed_processes=num_processes)
+        return self
+
+    def disable(self):
+        return self.configureProcessId(0, 1)
+
+    @property
+    def processId(self):
+        return self.distributed_process_id
+
+    @property
+    def numProcesses(self):
+        return self.num_distributed_processes
+
+
+class _PrecisionOptions(_OptionsDict):
+    def __init__(self):
+        super().__init__(enable_floating_point_exceptions=False,
+                         enable_stochastic_rounding=False, partials_type="float")
+
+    def enableFloatingPointExceptions(self, enabled):
+        return self.set(enable_floating_point_exceptions=bool(enabled))
+
+    def enableStochasticRounding(self, enabled):
+        return self.set(enable_stochastic_rounding=bool(enabled))
+
+    def setPartialsType(self, dtype):
+        import torch
+        if dtype not in (torch.float, torch.half):
+            raise ValueError("Partials type must be torch.float or torch.half")
+        return self.set(partials_type="float" if dtype == torch.float else "half")
+
+
+class _JitOptions(_OptionsDict):
+    def __init__(self):
+        super().__init__()
+
+    def traceModel(self, trace_model):
+        if trace_model:
+            raise ValueError("options.Jit.traceModel(True) is no longer supported")
+        return self
+
+
+class _PopartOptions(_OptionsDict):
+    """``Options._Popart``: backend options, stored as given."""
+
+    def __init__(self):
+        super().__init__()
+        object.__setattr__(self, "options", {
+            "instrumentWithHardwareCycleCounter": False,
+            "rearrangeAnchorsOnHost": False})
+
+    def set(self, key, value):
+        self._check_not_frozen()
+        self.options[key] = value
+        return self
+
+    def setEngineOptions(self, engine_options):
+        return self.set("engineOptions", dict(engine_options))
+
+    def setPatterns(self, patterns, level=2):
+        self.set("patterns", dict(patterns))
+        return self.set("patternsLevel", level)
+
+
+class Options(_OptionsDict):
+    """PopTorch's ``poptorch.Options``.
+
+    >>> opts = Options().deviceIterations(50).replicationFactor(2)
+    >>> opts.device_iterations, opts.replication_factor
+    (50, 2)
+    """
+
+    def __init__(self):
+        super().__init__(
+            replication_factor=1,
+            input_group_size=1,
+            device_iterations=1,
+            log_dir=".",
+            auto_round_num_ipus=False,
+            output_mode=enums.OutputMode.Default.value,
+            output_return_period=1,
+            connection_type=enums.ConnectionType.Always.value,
+            available_memory_proportion={},
+            broadcast_buffers=True,
+            show_compilation_progress_bar=True,
+        )
+        object.__setattr__(self, "_training", _TrainingOptions())
+        object.__setattr__(self, "_distributed", _DistributedOptions())
+        object.__setattr__(self, "_precision", _PrecisionOptions())
+        object.__setattr__(self, "_jit", _JitOptions())
+        object.__setattr__(self, "_popart", _PopartOptions())
+        defaults = os.environ.get("POPTORCH_DEFAULT_OPTIONS")
+        if defaults:
+            self.from_json(defaults)
+
+    # -- sub-objects ---------------------------------------------------------
+    @property
+    def Training(self):
+        return self._training
+
+    @property
+    def Distributed(self):
+        return self._distributed
+
+    @property
+    def Precision(self):
+        return self._precision
+
+    @property
+    def Jit(self):
+        return self._jit
+
+    @property
+    def _Popart(self):
+        return self._popart
+
+    # -- batching --------------------------------------------------------------
+    def deviceIterations(self, device_iterations):
+        """Iterations of the device-side loop per call; one weight update each."""
+        _check_positive_int("deviceIterations", device_iterations)
+        return self.set(device_iterations=device_iterations)
+
+    def replicationFactor(self, replication_factor):
+        """Number of data-parallel replicas of the model."""
+        _check_positive_int("replicationFactor", replication_factor)
+        return self.set(replication_factor=replication_factor)
+
+    def outputMode(self, output_mode, output_return_period=None):
+        """Which outputs come back to the host (``OutputMode``)."""
+        assert isinstance(output_mode, enums.OutputMode), (
+            "output_mode must be an instance of poptorch.OutputMode")
+        if output_mode == enums.OutputMode.EveryN:
+            assert isinstance(output_return_period, int) and \
+                output_return_period > 0, (
+                    "EveryN anchor must have output_return_period set to valid "
+                    "positive integer")
+        else:
+            output_return_period = None
+        return self.set(output_mode=output_mode.value,
+                        output_return_period=output_return_period or 1)
+
+    # PopTorch < 3 name
+    anchorMode = outputMode
+
+    def defaultOutputMode(self):
+        return self.output_mode == enums.OutputMode.Default
+
+    # -- misc -------------------------------------------------------------------
+    def randomSeed(self, random_seed):
+        """Seeds the host (``torch.manual_seed``) and the device RNG."""
+        assert isinstance(random_seed, int), "Random seed must be an integer"
+        import torch
+        torch.manual_seed(random_seed)
+        return self.createOrSet(random_seed=random_seed)
+
+    def useIpuModel(self, use_model):
+        """Kept for PopTorch programs: poptorchsim always simulates."""
+        return self.createOrSet(use_model=bool(use_model))
+
+    def useIpuId(self, ipu_id):
+        assert isinstance(ipu_id, int), "IPU id must be an integer"
+        return self.createOrSet(ipu_id=ipu_id)
+
+    def useOfflineIpuTarget(self, ipu_version=2):
+        self.connectionType(enums.ConnectionType.Never)
+        return self.createOrSet(ipu_version=ipu_version)
+
+    def connectionType(self, connection_type):
+        assert isinstance(connection_type, enums.ConnectionType), (
+            "connection_type must be an instance of poptorch.ConnectionType")
+        return self.set(connection_type=connection_type.value)
+
+    def autoRoundNumIPUs(self, auto_round_num_ipus=True):
+        return self.set(auto_round_num_ipus=bool(auto_round_num_ipus))
+
+    def broadcastBuffers(self, broadcast_buffers=True):
+        return self.set(broadcast_buffers=bool(broadcast_buffers))
+
+    def logDir(self, log_dir):
+        return self.set(log_dir=str(log_dir))
+
+    def modelName(self, name):
+        return self.createOrSet(model_name=str(name))
+
+    def showCompilationProgressBar(self, show=True):
+        return self.set(show_compilation_progress_bar=bool(show))
+
+    def enableExecutableCaching(self, path):
+        self._Popart.set("enableEngineCaching", path is not None)
+        if path is not None:
+            self._Popart.set("cachePath", str(path))
+        return self
+
+    def setAvailableMemoryProportion(self, available_memory_proportion):
+        for key, value in available_memory_proportion.items():
+            assert key.startswith("IPU"), (
+                "Keys for setAvailableMemoryProportion must be IPU ids of the "
+                "form 'IPU0', 'IPU1', ...")
+            if not 0.0 < float(value) <= 1.0:
+                raise ValueError(
+                    f"Available memory proportion for {key} must be in (0, 1], "
+                    f"got {value}")
+        self._check_not_frozen()
+        self._values["available_memory_proportion"] = dict(
+            available_memory_proportion)
+        return self
+
+    def from_json(self, string):
+        """Applies ``{"deviceIterations": 2, "Training.gradientAccumulation": 4}``."""
+        for key, value in json.loads(string).items():
+            target = self
+            *path, setter = key.split(".")
+            for part in path:
+                target = getattr(target, part)
+            fn = getattr(target, setter, None)
+            if fn is None or not callable(fn):
+                raise Error(f"Unknown option {key} in POPTORCH_DEFAULT_OPTIONS")
+            if isinstance(value, list):
+                fn(*value)
+            else:
+                fn(value)
+        return self
+
+    def clone(self):
+        """An unfrozen deep copy."""
+        return copy.deepcopy(self)
+
+
+def _check_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise AssertionError(
+            f"Unexpected type {type(value)} for option {name}. Expected <class 'int'>")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value}")

@@ -1,0 +1,115 @@
+"""Lowering: an fx graph of ATen ops -> an IR ``Graph``.
+
+One IR op per fx ``call_function`` node; ``getitem`` nodes become references
+to an op's n-th output; a functionalized input mutation (``copy_`` into a
+placeholder) becomes the new value itself, because the graphs return new
+state explicitly.  Every ATen operation outside ``ir.ops`` is collected, and
+all of them are reported in a single error.
+"""
+import operator
+from collections import OrderedDict
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..errors import UnsupportedOperationError
+from ..ir.graph import Graph, Op
+from ..ir.ops import cost_class
+from ..ir.verify import verify_graph
+
+aten = torch.ops.aten
+
+
+def _meta_tensor(val):
+    return isinstance(val, torch.Tensor)
+
+
+def _where(node):
+    stack = (node.meta.get("stack_trace") or "").strip().splitlines()
+    for line in reversed(stack):
+        line = line.strip()
+        if line.startswith("File") and "/torch/" not in line and "/poptorchsim/" not in line:
+            return line
+    return ""
+
+
+def lower(gm, name, roles):
+    """Lower ``gm`` to an IR graph; ``roles[i]`` = (name, role) of placeholder i."""
+    gm.graph.eliminate_dead_code()
+    graph = Graph(name)
+    env = {}
+    unsupported = OrderedDict()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(roles):
+        raise AssertionError(f"{len(placeholders)} placeholders but {len(roles)} roles")
+    for node, (tname, role) in zip(placeholders, roles):
+        val = node.meta["val"]
+        t = graph.new_tensor(tname, val.shape, val.dtype, role)
+        graph.inputs.append(t)
+        env[node] = t
+
+    def arg(x):
+        return pytree.tree_map_only(torch.fx.Node, lambda n: env[n], x)
+
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, node.target)
+            env[node] = graph.new_tensor(node.target.replace(".", "_"), value.shape,
+                                         value.dtype, "const", value=value)
+        elif node.op == "call_function":
+            target = node.target
+            if unsupported and target is not operator.getitem and cost_class(target) is None \
+                    and target is not aten.copy_.default:
+                key = str(target)
+                count, where = unsupported.get(key, (0, _where(node)))
+                unsupported[key] = (count + 1, where)
+                continue
+            if unsupported:
+                continue   # after the first unsupported op, only look for more
+            if target is operator.getitem:
+                src = env[node.args[0]]
+                env[node] = src[node.args[1]]
+                continue
+            if target is aten.copy_.default and node.args[0].op == "placeholder":
+                dst, src = env[node.args[0]], env[node.args[1]]
+                if dst.shape == src.shape and dst.dtype == src.dtype:
+                    env[node] = src
+                    continue
+                target = aten.copy.default
+            cls = cost_class(target)
+            if cls is None:
+                key = str(target)
+                count, where = unsupported.get(key, (0, _where(node)))
+                unsupported[key] = (count + 1, where)
+                continue
+            val = node.meta.get("val")
+            op = Op(len(graph.ops), node.name, target, arg(tuple(node.args)),
+                    arg(dict(node.kwargs)), [], cls)
+            if isinstance(val, (tuple, list)):
+                op.multi_output = True
+                for i, v in enumerate(val):
+                    op.outputs.append(graph.new_tensor(f"{node.name}_{i}", v.shape, v.dtype,
+                                                       producer=op)
+                                      if _meta_tensor(v) else None)
+                env[node] = op.outputs
+            elif _meta_tensor(val):
+                t = graph.new_tensor(node.name, val.shape, val.dtype, producer=op)
+                op.outputs.append(t)
+                env[node] = t
+            else:
+                raise UnsupportedOperationError(
+                    f"{target} returns a {type(val).__name__}, not a tensor; "
+                    "the IPU graph only holds tensor-valued operations.")
+            graph.ops.append(op)
+        elif node.op == "output":
+            if unsupported:
+                break
+            graph.outputs = [env[n] for n in pytree.tree_leaves(node.args[0])]
+    if unsupported:
+        lines = [f"  {name} (used {count}x{', ' + where if where else ''})"
+                 for name, (count, where) in unsupported.items()]
+        raise UnsupportedOperationError(
+            f"The model uses {len(unsupported)} operation(s) that poptorchsim cannot "
+            "place on the IPU:\n" + "\n".join(lines) + "\nReplace them with supported "
+            "operations, or compute them on the host before calling the model.")
+    return verify_graph(graph)

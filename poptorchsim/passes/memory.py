@@ -1,0 +1,114 @@
+"""Liveness and memory per tile, and the out-of-memory check.
+
+Always-live memory holds the device variables (weights, buffers, optimizer
+state, gradient accumulators, hyperparameters, constants), the input stream
+buffers, control code and the vertex state of every op on the tiles it uses.
+Not-always-live memory holds each graph's intermediate tensors from the op
+that makes them to their last use, plus each op's temporary operand buffers;
+graphs run one after another, so the program's peak is the largest graph
+peak.  All of it is arrays over tiles.
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import OutOfMemoryError
+from ..ir.graph import ALWAYS_LIVE_ROLES
+
+VERTEX_STATE_BYTES = 48        # per op, per tile it runs on
+
+
+@dataclass
+class MemoryReport:
+    capacity: int
+    always_live: np.ndarray              # bytes per tile
+    not_always_live: np.ndarray          # peak bytes per tile
+    by_tensor: dict = field(default_factory=dict)   # name -> bytes per tile
+
+    @property
+    def total(self):
+        return self.always_live + self.not_always_live
+
+    @property
+    def peak_tile(self):
+        return int(np.argmax(self.total))
+
+    def largest_on(self, tile, n=5):
+        found = sorted(((int(v[tile]), k) for k, v in self.by_tensor.items() if v[tile]),
+                       reverse=True)
+        return found[:n]
+
+
+def graph_liveness(graph, tiles, temps):
+    """Peak not-always-live bytes per tile while ``graph`` runs."""
+    n_ops = len(graph.ops)
+    if n_ops == 0:
+        return np.zeros(tiles, dtype=np.int64)
+    inputs = {t.id for t in graph.inputs}
+    acts = [t for t in graph.tensors
+            if t.id not in inputs and t.role not in ALWAYS_LIVE_ROLES and t.nbytes]
+    index = {t.id: i for i, t in enumerate(acts)}
+    start = np.zeros(len(acts), dtype=np.int64)
+    end = np.zeros(len(acts), dtype=np.int64)
+    for k, op in enumerate(graph.ops):
+        for t in op.outputs:
+            if t is not None and t.id in index:
+                start[index[t.id]] = k
+                end[index[t.id]] = k
+        for t in op.input_tensors():
+            if t.id in index:
+                end[index[t.id]] = k
+    for t in graph.outputs:
+        if t.id in index:
+            end[index[t.id]] = n_ops - 1
+    steps = np.arange(n_ops)[:, None]
+    live = ((steps >= start[None, :]) & (steps <= end[None, :])).astype(np.float64)
+    per_tensor = (np.stack([t.mapping.bytes_per_tile(tiles) for t in acts])
+                  if acts else np.zeros((0, tiles)))
+    usage = live @ per_tensor + temps
+    return usage.max(axis=0).astype(np.int64)
+
+
+def plan_memory(program, variables, target, costs):
+    """The ``MemoryReport`` of ``program``.
+
+    ``variables``: name -> Tensor of every always-live device variable;
+    ``costs``: graph name -> list of ``OpCost`` (for temporary buffers).
+    """
+    tiles = target.tiles
+    by_tensor = {name: t.mapping.bytes_per_tile(tiles) for name, t in variables.items()}
+    always = np.full(tiles, target.code_bytes_per_tile, dtype=np.int64)
+    for v in by_tensor.values():
+        always += v
+    peak = np.zeros(tiles, dtype=np.int64)
+    for graph in program.graphs.values():
+        temps = np.zeros((len(graph.ops), tiles))
+        for k, (op, cost) in enumerate(zip(graph.ops, costs[graph.name])):
+            temps[k] += cost.temp_bytes
+            used = np.zeros(tiles, dtype=bool)
+            for t in op.outputs:
+                if t is not None and op.cost_class != "view":
+                    used |= t.mapping.bytes_per_tile(tiles) > 0
+            always += used * VERTEX_STATE_BYTES
+        peak = np.maximum(peak, graph_liveness(graph, tiles, temps))
+        for t in graph.tensors:
+            if t.role not in ALWAYS_LIVE_ROLES and t.role != "input" and t.nbytes:
+                key = f"{graph.name}/{t.name}"
+                by_tensor[key] = t.mapping.bytes_per_tile(tiles)
+    return MemoryReport(target.bytes_per_tile, always, peak, by_tensor)
+
+
+def check_fits(report, target, allow_out_of_memory=False):
+    total = report.total
+    if allow_out_of_memory or total.max() <= report.capacity:
+        return
+    tile = int(np.argmax(total > report.capacity))
+    largest = ", ".join(f"{name} ({nbytes} B)" for nbytes, name in report.largest_on(tile))
+    over = int((total > report.capacity).sum())
+    raise OutOfMemoryError(
+        f"Out of memory on tile {tile}: {int(total[tile])} bytes used but tiles only "
+        f"have {report.capacity} bytes of memory. {over} of {target.tiles} tiles of "
+        f"the {target.name} IPU overflow (always-live {int(report.always_live[tile])} B, "
+        f"not-always-live {int(report.not_always_live[tile])} B on tile {tile}). "
+        f"Largest tensors there: {largest}. Reduce the micro-batch size or the model, "
+        "or split the model over more IPUs.")

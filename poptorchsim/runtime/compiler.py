@@ -1,0 +1,221 @@
+"""compile: capture -> lower -> program -> tile mapping, costs, memory -> engine.
+
+``compile_training`` and ``compile_inference`` return a ``Compiled``: the
+IR program a user can print, the memory report, the cycle estimate, and the
+functions the engine runs.
+"""
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..capture import optimizers as opt_rules
+from ..capture.trace import capture_inference, capture_training, capture_update
+from ..ir.graph import (AllReduce, Call, DeviceToHost, HostToDevice, Program, Repeat,
+                        Sequence)
+from ..machine.cost import op_cost
+from ..machine.engine import compile_graph
+from ..passes.lower import lower
+from ..passes.memory import check_fits, plan_memory
+from ..passes.tile_mapping import map_graph
+
+
+@dataclass
+class Compiled:
+    capture: object
+    program: Program
+    target: object
+    memory: object
+    costs: dict                       # graph name -> [OpCost]
+    cycles: dict                      # breakdown of one call
+    step_fn: object
+    update_fn: object = None
+    optimizer_kind: str = ""
+    group_of: list = field(default_factory=list)
+    flags: list = field(default_factory=list)
+    compile_seconds: float = 0.0
+
+
+def _bytes(shapes_dtypes):
+    import torch
+    return sum(int(np.prod(s)) * torch.empty((), dtype=d).element_size()
+               for s, d in shapes_dtypes)
+
+
+def _graph_cycles(costs):
+    keys = ("compute", "exchange", "sync")
+    return {k: float(sum(getattr(c, k) for c in costs)) for k in keys}
+
+
+def _estimate(program, costs, target, in_bytes, out_bytes):
+    """Cycles of one call (all device iterations), split by kind."""
+    di, ga, rf = program.device_iterations, program.accumulation, program.replicas
+    total = {"compute": 0.0, "exchange": 0.0, "sync": 0.0, "host": 0.0}
+    step = _graph_cycles(costs["training_step" if program.kind == "training"
+                               else "inference_forward"])
+    for k in step:
+        total[k] += step[k] * ga * di     # replicas run in parallel, on their own IPUs
+    if program.kind == "training":
+        upd = _graph_cycles(costs["optimizer_update"])
+        grad_bytes = program.grad_bytes
+        if ga > 1:
+            # accumulate: one element-wise add of every gradient per micro-batch
+            per_tile = grad_bytes / target.tiles
+            total["compute"] += di * ga * (per_tile / target.vector_bytes)
+            total["sync"] += di * ga * target.sync_cycles
+        if rf > 1:
+            # ring all-reduce over IPU-Links (about 32 GB/s per link)
+            link_bytes_per_cycle = 32e9 / target.clock_hz
+            total["exchange"] += di * 2 * (rf - 1) / rf * grad_bytes / link_bytes_per_cycle
+            total["sync"] += di * 2 * (rf - 1) * 1000
+        for k in upd:
+            total[k] += upd[k] * di
+    host_s = 2 * target.host_latency_s * di + (in_bytes + out_bytes) / target.host_bytes_per_s
+    total["host"] = host_s * target.clock_hz
+    total["total"] = sum(total.values())
+    total["seconds"] = total["total"] / target.clock_hz
+    return total
+
+
+def _stages(show, desc):
+    return tqdm(total=5, desc=desc, disable=not show, leave=False,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}]")
+
+
+def _finish(program, capture, target, amp, variables, in_bytes, out_bytes, bar,
+            allow_oom):
+    costs = {name: [op_cost(op, target, amp) for op in g.ops]
+             for name, g in program.graphs.items()}
+    bar.set_description("Memory planning"); bar.update(1)
+    memory = plan_memory(program, variables, target, costs)
+    check_fits(memory, target, allow_oom)
+    cycles = _estimate(program, costs, target, in_bytes, out_bytes)
+    return costs, memory, cycles
+
+
+def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
+                     amp=0.6, show_progress=True, allow_oom=False, out_bytes_fn=None):
+    t0 = time.perf_counter()
+    bar = _stages(show_progress, "Graph compilation")
+    kind = opt_rules.optimizer_kind(optimizer)
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    in_optimizer = {by_id[id(p)] for g in optimizer.param_groups for p in g["params"]
+                    if id(p) in by_id}
+    bar.set_description("Tracing"); bar.update(1)
+    capture = capture_training(model, args, kwargs, in_optimizer)
+    roles = ([(n, "param") for n in capture.param_names]
+             + [(n, "buffer") for n in capture.buffer_names]
+             + [(f"input{i}", "input") for i in range(len(capture.example_inputs))])
+    bar.set_description("Lowering"); bar.update(1)
+    step_graph = lower(capture.graph, "training_step", roles)
+
+    update_graph, kind, group_of, flags = _build_update(model, optimizer, capture)
+    in_bytes = _bytes((t.shape, t.dtype)
+                      for t in capture.example_inputs) * ga * rf * di
+    call = Call(step_graph, rf)
+    body = Sequence([HostToDevice(in_bytes // di),
+                     Repeat(ga, call, "accumulation")])
+    grad_bytes = sum(t.nbytes for t in update_graph.inputs if t.role == "accumulator")
+    steps = body.steps
+    if rf > 1:
+        steps.append(AllReduce(grad_bytes, rf))
+    steps.append(Call(update_graph, rf))
+    out_bytes = out_bytes_fn(capture) if out_bytes_fn else 0
+    steps.append(DeviceToHost(out_bytes // max(di, 1), "per output mode"))
+    program = Program("training", {"training_step": step_graph,
+                                   "optimizer_update": update_graph},
+                      Repeat(di, body, "device_iteration"), rf, di, ga)
+    program.grad_bytes = grad_bytes
+
+    bar.set_description("Tile mapping"); bar.update(1)
+    variables = {}
+    cursor = map_graph(step_graph, target, 0, variables)
+    map_graph(update_graph, target, cursor, variables)
+    costs, memory, cycles = _finish(program, capture, target, amp, variables, in_bytes,
+                                    out_bytes, bar, allow_oom)
+    step_fn = compile_graph(step_graph)
+    update_fn = compile_graph(update_graph)
+    bar.update(1); bar.close()
+    return Compiled(capture, program, target, memory, costs, cycles, step_fn, update_fn,
+                    kind, group_of, flags, time.perf_counter() - t0)
+
+
+def _build_update(model, optimizer, capture):
+    """The optimizer-update graph for ``optimizer`` over the trainable params."""
+    kind = opt_rules.optimizer_kind(optimizer)
+    group_index, flags = {}, []
+    for gi, group in enumerate(optimizer.param_groups):
+        flags.append(opt_rules.group_settings(kind, group)[1])
+        for p in group["params"]:
+            group_index[id(p)] = gi
+    params = dict(model.named_parameters())
+    names = capture.trainable_names
+    group_of = [group_index[id(params[n])] for n in names]
+    shapes = [tuple(params[n].shape) for n in names]
+    update_fx = capture_update(kind, shapes, group_of, flags)
+    state_names, hyper_names, _ = opt_rules.RULES[kind]
+    roles = ([(n, "param") for n in names] + [(f"grad/{n}", "accumulator") for n in names]
+             + [(f"{s}/{n}", "state") for n in names for s in state_names]
+             + [(f"step/{n}", "state") for n in names]
+             + [(f"hyper/{g}/{h}", "hyper") for g in range(len(flags)) for h in hyper_names]
+             + [("grad_scale", "hyper")])
+    return lower(update_fx, "optimizer_update", roles), kind, group_of, flags
+
+
+def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False):
+    """Re-traces only the optimizer update, for a new optimizer type or flags."""
+    graph, kind, group_of, flags = _build_update(model, optimizer, compiled.capture)
+    program = compiled.program
+    program.graphs["optimizer_update"] = graph
+    _replace_call(program.main, graph)
+    variables = {}
+    step = program.graphs["training_step"]
+    cursor = map_graph(step, compiled.target, 0, variables)
+    map_graph(graph, compiled.target, cursor, variables)
+    costs = {name: [op_cost(op, compiled.target, amp) for op in g.ops]
+             for name, g in program.graphs.items()}
+    memory = plan_memory(program, variables, compiled.target, costs)
+    check_fits(memory, compiled.target, allow_oom)
+    compiled.costs, compiled.memory = costs, memory
+    compiled.update_fn = compile_graph(graph)
+    compiled.optimizer_kind, compiled.group_of, compiled.flags = kind, group_of, flags
+    return compiled
+
+
+def _replace_call(step, graph):
+    if isinstance(step, Sequence):
+        for s in step.steps:
+            _replace_call(s, graph)
+    elif isinstance(step, Repeat):
+        _replace_call(step.body, graph)
+    elif isinstance(step, Call) and step.graph.name == graph.name:
+        step.graph = graph
+
+
+def compile_inference(model, args, kwargs, *, di, rf, target, amp=0.6,
+                      show_progress=True, allow_oom=False, out_bytes_fn=None):
+    t0 = time.perf_counter()
+    bar = _stages(show_progress, "Graph compilation")
+    bar.set_description("Tracing"); bar.update(1)
+    capture = capture_inference(model, args, kwargs)
+    roles = ([(n, "param") for n in capture.param_names]
+             + [(n, "buffer") for n in capture.buffer_names]
+             + [(f"input{i}", "input") for i in range(len(capture.example_inputs))])
+    bar.set_description("Lowering"); bar.update(1)
+    graph = lower(capture.graph, "inference_forward", roles)
+    in_bytes = _bytes((t.shape, t.dtype) for t in capture.example_inputs) * rf * di
+    out_bytes = out_bytes_fn(capture) if out_bytes_fn else 0
+    body = Sequence([HostToDevice(in_bytes // di), Call(graph, rf),
+                     DeviceToHost(out_bytes // max(di, 1), "per output mode")])
+    program = Program("inference", {"inference_forward": graph},
+                      Repeat(di, body, "device_iteration"), rf, di, 1)
+    bar.set_description("Tile mapping"); bar.update(1)
+    variables = {}
+    map_graph(graph, target, 0, variables)
+    costs, memory, cycles = _finish(program, capture, target, amp, variables, in_bytes,
+                                    out_bytes, bar, allow_oom)
+    fn = compile_graph(graph)
+    bar.update(1); bar.close()
+    return Compiled(capture, program, target, memory, costs, cycles, fn,
+                    compile_seconds=time.perf_counter() - t0)

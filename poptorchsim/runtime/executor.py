@@ -1,0 +1,417 @@
+"""``PoplarExecutor``: what ``trainingModel`` and ``inferenceModel`` return.
+
+It compiles on the first call (or ``compile``), holds the device copy of the
+weights, optimizer state and buffers, feeds each call's combined batch to the
+engine in PopTorch's layout ``[deviceIterations, gradientAccumulation,
+replicas, micro-batch, ...]`` and returns outputs shaped as PopTorch does for
+the output mode.
+"""
+import logging
+
+import torch
+import torch.utils._pytree as pytree
+
+from .. import enums
+from ..capture import optimizers as opt_rules
+from ..capture.trace import bind_inputs
+from ..errors import BatchDimensionError, Error, InputMismatchError
+from ..machine.engine import Engine, OutputCollector
+from ..machine.targets import default_target
+from . import compiler
+
+logger = logging.getLogger("poptorchsim")
+
+NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
+MISMATCH_SUFFIX = (
+    "\nThis error occurred because the inputs passed at runtime don't match the "
+    "inputs used to compile the model.\nTo recompile the model for the new inputs "
+    "create a new inferenceModel / trainingModel wrapper or call destroy() on the "
+    "curent one and try again.")
+BACKWARD_ERR = (
+    "backward() cannot be called explicitly on outputs of a PopTorch model. If "
+    "you're using a trainingModel, the backwards pass is performed automatically "
+    "when invoking the model. If you're using an inferenceModel, you should use a "
+    "trainingModel instead.")
+
+
+class _DeviceState:
+    """The device copy of everything a training program reads and writes."""
+    n_trainable = 0
+    params = buffers = opt_state = steps = hyper = None
+    grad_scale = None
+
+
+def _raise_backward(*_args, **_kwargs):
+    raise Error(BACKWARD_ERR)
+
+
+def _leaf_names(args, kwargs, arg_names):
+    """A readable name for every leaf of (args, kwargs), e.g. ``x`` or ``batch[1]``."""
+    names = []
+    for name, value in list(zip(arg_names, args)) + list(kwargs.items()):
+        leaves, _ = pytree.tree_flatten(value)
+        if len(leaves) == 1 and not isinstance(value, (list, tuple, dict)):
+            names.append(name)
+        else:
+            names.extend(f"{name}[{i}]" for i in range(len(leaves)))
+    return names
+
+
+class PoplarExecutor:
+    """A model wrapped for the simulated IPU (PopTorch's ``PoplarExecutor``)."""
+
+    def __init__(self, model, options, training, optimizer=None):
+        self._user_model = model
+        self._options = options
+        self._training = training
+        self._optimizer = optimizer
+        self._compiled = None
+        self._attached = False
+        self._state = _DeviceState()
+        self._uploaded_version = -1
+        self._input_template = None
+        self._target = default_target()
+        mode = enums.OutputMode(options.output_mode)
+        if mode == enums.OutputMode.Default:
+            mode = enums.OutputMode.Final if training else enums.OutputMode.All
+        self._output_mode = mode
+
+    # -- properties PopTorch has ------------------------------------------------
+    @property
+    def model(self):
+        return self._user_model
+
+    @property
+    def options(self):
+        return self._options
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._user_model, name)
+
+    def __repr__(self):
+        return repr(self._user_model)
+
+    # -- batching ------------------------------------------------------------------
+    def _factors(self):
+        o = self._options
+        ga = o.Training.gradient_accumulation if self._training else 1
+        rf = o.replication_factor // o.input_group_size
+        return o.device_iterations, ga, rf
+
+    def _check_batch(self, leaves):
+        di, ga, rf = self._factors()
+        o = self._options
+        factor = di * ga * rf
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            dim0 = leaf.shape[0] if leaf.dim() else 1
+            if dim0 % factor:
+                raise BatchDimensionError(
+                    f"Invalid batch dimension: In the input {tuple(leaf.shape)}, the "
+                    f"batch dimension ({dim0}) must be a multiple of "
+                    f"Options.deviceIterations({di}) * (Options.replicationFactor("
+                    f"{o.replication_factor}) / Options.inputReplicaGrouping."
+                    f"input_group_size({o.input_group_size})) * "
+                    f"Options.Training.gradientAccumulation({ga}) = {factor} because it "
+                    "is used to calculate the batch size which will be executed on the "
+                    "device in any given iteration. For a full explanation see the "
+                    "batching semantics page of the documentation.")
+
+    def _prepare(self, args, kwargs):
+        """Bind, convert float64 to float32, and flatten the call's inputs."""
+        args, kwargs = bind_inputs(self._user_model, args, kwargs)
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.float() if t.dtype == torch.float64 else t,
+            (args, kwargs))
+        import inspect
+        arg_names = list(inspect.signature(self._user_model.forward).parameters)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        return args, kwargs, leaves, spec, _leaf_names(args, kwargs, arg_names)
+
+    def _validate(self, leaves, spec, names):
+        expected_leaves, expected_spec, expected_names = self._input_template
+        if len(leaves) != len(expected_leaves) or spec != expected_spec:
+            raise InputMismatchError(
+                f"Number of positional arguments mismatch: expected "
+                f"{len(expected_leaves)} arguments but got {len(leaves)}." + MISMATCH_SUFFIX)
+        for name, got, want in zip(names, leaves, expected_leaves):
+            if isinstance(want, torch.Tensor):
+                if not isinstance(got, torch.Tensor):
+                    raise InputMismatchError(
+                        f"Type mismatch for {name}: expected {torch.Tensor} but got "
+                        f"{type(got)}" + MISMATCH_SUFFIX)
+                if got.dtype != want.dtype:
+                    raise InputMismatchError(
+                        f"Data type mismatch for {name}: expected {want.dtype} but got "
+                        f"{got.dtype}" + MISMATCH_SUFFIX)
+                if got.shape != want.shape:
+                    raise InputMismatchError(
+                        f"Shape mismatch for {name}: expected {want.shape} but got "
+                        f"{got.shape}" + MISMATCH_SUFFIX)
+            elif got != want:
+                raise InputMismatchError(
+                    f"Value mismatch for {name}: expected {want} but got {got}"
+                    + MISMATCH_SUFFIX)
+
+    # -- compilation ------------------------------------------------------------------
+    def compile(self, *args, **kwargs):
+        """Traces and compiles for these (combined-batch) inputs; does not run."""
+        if self._compiled is not None:
+            logger.warning("Call to compile() ignored: the executable is already compiled")
+            return
+        self._compile(*self._prepare(args, kwargs))
+
+    def _compile(self, args, kwargs, leaves, spec, names):
+        self._check_batch(leaves)
+        di, ga, rf = self._factors()
+        factor = di * ga * rf
+        micro = pytree.tree_map_only(
+            torch.Tensor, lambda t: t[: (t.shape[0] // factor)] if t.dim() else t,
+            (args, kwargs))
+        o = self._options
+        amp = o.available_memory_proportion.get("IPU0", 0.6)
+        allow_oom = bool(o._Popart.options.get("allowOutOfMemory", False))
+        show = o.show_compilation_progress_bar
+        if self._training:
+            compiled = compiler.compile_training(
+                self._user_model, self._optimizer, micro[0], micro[1], di=di, ga=ga, rf=rf,
+                target=self._target, amp=amp, show_progress=show, allow_oom=allow_oom)
+        else:
+            compiled = compiler.compile_inference(
+                self._user_model, micro[0], micro[1], di=di, rf=rf, target=self._target,
+                amp=amp, show_progress=show, allow_oom=allow_oom)
+        self._compiled = compiled
+        self._engine = Engine(compiled.step_fn, compiled.update_fn)
+        self._input_template = ([torch.empty(t.shape, dtype=t.dtype, device="meta")
+                                 if isinstance(t, torch.Tensor) else t for t in leaves],
+                                spec, names)
+        self.copyWeightsToDevice()
+        self._attached = True
+
+    def isCompiled(self):
+        return self._compiled is not None
+
+    def getIR(self):
+        """The compiled IR ``Program``; ``print()`` it to read it."""
+        self._require_compiled()
+        return self._compiled.program
+
+    def _debugGetPopartIR(self):
+        return str(self.getIR())
+
+    def _require_compiled(self):
+        if self._compiled is None:
+            raise Error(NO_EXECUTABLE_ERR)
+
+    # -- weights ------------------------------------------------------------------------
+    def _named_params(self):
+        return dict(self._user_model.named_parameters())
+
+    def copyWeightsToDevice(self):
+        """Host -> device: weights, buffers and (training) optimizer state."""
+        self._require_compiled()
+        cap = self._compiled.capture
+        params = self._named_params()
+        buffers = dict(self._user_model.named_buffers())
+        _, _, rf = self._factors()
+        st = self._state
+        st.params = [params[n].detach().clone() for n in cap.param_names]
+        st.buffers = [[buffers[n].detach().clone() for n in cap.buffer_names]
+                      for _ in range(rf)]
+        if self._training:
+            st.n_trainable = len(cap.trainable_names)
+            self._load_optimizer_state()
+        self._uploaded_version = getattr(self._user_model, "_poptorchsim_version", 0)
+
+    def _load_optimizer_state(self):
+        c = self._compiled
+        st = self._state
+        params = self._named_params()
+        state_names, hyper_names, _ = opt_rules.RULES[c.optimizer_kind]
+        st.opt_state, st.steps = [], []
+        for n in c.capture.trainable_names:
+            p = params[n]
+            torch_state = self._optimizer.state.get(p, {})
+            slots = []
+            for s in state_names:
+                v = torch_state.get(s)
+                slots.append(v.detach().clone().float() if isinstance(v, torch.Tensor)
+                             else torch.zeros_like(p.detach()))
+            step = torch_state.get("step")
+            if step is None:
+                step = 1.0 if "momentum_buffer" in torch_state and \
+                    torch_state["momentum_buffer"] is not None else 0.0
+            st.opt_state.append(slots)
+            st.steps.append(torch.tensor(float(step), dtype=torch.float32))
+        self._load_hyperparameters()
+
+    def _load_hyperparameters(self):
+        c = self._compiled
+        _, ga, rf = self._factors()
+        hyper = []
+        for group in self._optimizer.param_groups:
+            values, _ = opt_rules.group_settings(c.optimizer_kind, group)
+            hyper += [torch.tensor(values[h], dtype=torch.float64)
+                      for h in opt_rules.RULES[c.optimizer_kind][1]]
+        self._state.hyper = hyper
+        mean = (self._options.Training.accumulation_and_replication_reduction_type
+                == enums.ReductionType.Mean)
+        self._state.grad_scale = torch.tensor(1.0 / (ga * rf) if mean else 1.0)
+
+    def copyWeightsToHost(self):
+        """Device -> host: the user's model gets the device weights and buffers."""
+        self._require_compiled()
+        self._weights_to_host()
+        if self._training:
+            self._optimizer_state_to_host()
+
+    def _weights_to_host(self):
+        cap = self._compiled.capture
+        params = self._named_params()
+        buffers = dict(self._user_model.named_buffers())
+        with torch.no_grad():
+            for n, v in zip(cap.param_names, self._state.params):
+                params[n].copy_(v)
+            for n, v in zip(cap.buffer_names, self._state.buffers[0]):
+                buffers[n].copy_(v)
+        m = self._user_model
+        m._poptorchsim_version = getattr(m, "_poptorchsim_version", 0) + 1
+        self._uploaded_version = m._poptorchsim_version
+
+    def _optimizer_state_to_host(self):
+        c = self._compiled
+        params = self._named_params()
+        state_names, _, _ = opt_rules.RULES[c.optimizer_kind]
+        for n, slots, step in zip(c.capture.trainable_names, self._state.opt_state,
+                                  self._state.steps):
+            entry = self._optimizer.state[params[n]]
+            for s, v in zip(state_names, slots):
+                entry[s] = v.clone()
+            if c.optimizer_kind != "sgd":
+                entry["step"] = step.clone()
+
+    def setOptimizer(self, optimizer):
+        """Uses ``optimizer``'s hyperparameters from the next call on."""
+        opt_rules.optimizer_kind(optimizer)
+        if self._compiled is None:
+            self._optimizer = optimizer
+            return
+        new_object = optimizer is not self._optimizer
+        if new_object:
+            self._optimizer_state_to_host()
+        old = (self._compiled.optimizer_kind, self._compiled.flags)
+        self._optimizer = optimizer
+        kind = opt_rules.optimizer_kind(optimizer)
+        flags = [opt_rules.group_settings(kind, g)[1] for g in optimizer.param_groups]
+        if (kind, flags) != old:
+            compiler.rebuild_update(self._compiled, self._user_model, optimizer)
+            self._engine.update_fn = self._compiled.update_fn
+            self._load_optimizer_state()
+        elif new_object:
+            self._load_optimizer_state()
+        else:
+            self._load_hyperparameters()
+
+    # -- attach / detach ----------------------------------------------------------------
+    def attachToDevice(self):
+        self._require_compiled()
+        if self._options.connection_type == enums.ConnectionType.Never:
+            raise AssertionError("Trying to attach to an offline device (ConnectionType.Never)")
+        if self._attached:
+            raise Error("Device is already attached")
+        self.copyWeightsToDevice()
+        self._attached = True
+
+    def detachFromDevice(self):
+        self._require_compiled()
+        if not self._attached:
+            raise Error("Device is not attached")
+        if self._training:
+            self.copyWeightsToHost()
+        self._attached = False
+
+    def isAttachedToDevice(self):
+        return self._compiled is not None and self._attached
+
+    def destroy(self):
+        """Copies weights back (training), drops the executable, unwraps the model."""
+        if self._compiled is None:
+            return
+        if self._training and self._attached:
+            self.copyWeightsToHost()
+        self._compiled = None
+        self._attached = False
+        m = self._user_model
+        if getattr(m, "_poptorchsim_wrapper", None) is self:
+            del m._poptorchsim_wrapper
+            m.__dict__.pop("destroy", None)
+
+    # -- simulation results -----------------------------------------------------------------
+    def memoryReport(self):
+        """The compiled program's memory per tile (``passes.memory.MemoryReport``)."""
+        self._require_compiled()
+        return self._compiled.memory
+
+    def cycleEstimate(self):
+        """Estimated cycles of one call, split compute/exchange/sync/host."""
+        self._require_compiled()
+        return dict(self._compiled.cycles)
+
+    def compilationTime(self):
+        import datetime
+        if self._compiled is None:
+            raise Error("Please compile the model before obtaining compilation time.")
+        return datetime.timedelta(seconds=self._compiled.compile_seconds)
+
+    # -- running ---------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if self._options.connection_type == enums.ConnectionType.Never:
+            raise AssertionError(
+                "Trying to run a model on an offline device (ConnectionType.Never): use "
+                "model.compile(inputs) instead of model(inputs)")
+        prepared = self._prepare(args, kwargs)
+        if self._compiled is None:
+            self._compile(*prepared)
+        _, _, leaves, spec, names = prepared
+        self._validate(leaves, spec, names)
+        if not self._attached:
+            self.attachToDevice()
+        if not self._training and getattr(self._user_model, "_poptorchsim_version", 0) \
+                != self._uploaded_version:
+            self.copyWeightsToDevice()
+        di, ga, rf = self._factors()
+        inputs = [t.reshape(di, ga, rf, t.shape[0] // (di * ga * rf), *t.shape[1:])
+                  for t in leaves if isinstance(t, torch.Tensor)]
+        mode = self._output_mode
+        collector = OutputCollector(mode.name, self._options.output_return_period, di, ga, rf)
+        if self._training:
+            result = self._engine.run_training(self._state, inputs, collector, di, ga, rf)
+            self._weights_to_host()
+        else:
+            result = self._engine.run_inference(self._state.params, self._state.buffers,
+                                                inputs, collector, di, rf)
+        return self._assemble(result)
+
+    def _assemble(self, rows):
+        cap = self._compiled.capture
+        outs = []
+        for k in range(cap.n_tensor_outputs):
+            parts = [row[k] for row in rows]
+            if len(parts) == 1:
+                t = parts[0]
+            elif parts[0].dim() == 0:
+                t = torch.stack(parts)
+            else:
+                t = torch.cat(parts)
+            if t.dtype == torch.int64:
+                t = t.int()
+            elif t.dtype == torch.float64:
+                t = t.float()
+            t = t.detach()
+            t.backward = _raise_backward
+            outs.append(t)
+        leaves = [outs[d[1]] if d[0] == "tensor" else d[1] for d in cap.output_leaves]
+        return pytree.tree_unflatten(leaves, cap.output_spec)
