@@ -18,24 +18,25 @@ class TileMapping:
     nbytes: int
     grain: int
 
-    def bytes_per_tile(self, tiles):
-        """Bytes on each tile, an array of length ``tiles``; sums to ``nbytes``."""
-        out = np.zeros(tiles, dtype=np.int64)
-        if self.nbytes == 0:
-            return out
+    def _used(self):
+        """Bytes on each of the ``n_tiles`` tiles in use, in order."""
         n_grains = -(-self.nbytes // self.grain)
         base, extra = divmod(n_grains, self.n_tiles)
         pos = np.arange(self.n_tiles)
-        grains = base + (pos < extra)
-        per = grains.astype(np.int64) * self.grain
+        per = (base + (pos < extra)).astype(np.int64) * self.grain
         last = (extra - 1) if extra else self.n_tiles - 1
         per[last] -= n_grains * self.grain - self.nbytes
-        out[(self.start + pos) % tiles] = per
+        return per
+
+    def bytes_per_tile(self, tiles):
+        """Bytes on each tile, an array of length ``tiles``; sums to ``nbytes``."""
+        out = np.zeros(tiles, dtype=np.int64)
+        if self.nbytes:
+            out[(self.start + np.arange(self.n_tiles)) % tiles] = self._used()
         return out
 
     def max_bytes(self):
-        n_grains = -(-self.nbytes // self.grain)
-        return -(-n_grains // self.n_tiles) * self.grain if self.nbytes else 0
+        return int(self._used().max()) if self.nbytes else 0
 
 
 _INHERITS = ("view", "elementwise", "transcendental", "random")
