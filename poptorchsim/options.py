@@ -119,7 +119,7 @@ class _TrainingOptions(_OptionsDict):
 
     def gradientAccumulation(self, gradient_accumulation):
         """Micro-batches whose gradients are reduced into one weight update."""
-        _check_positive_int("gradientAccumulation", gradient_accumulation)
+        _check_positive_int("gradient_accumulation", gradient_accumulation)
         self.set(gradient_accumulation=gradient_accumulation)
         return self
 
@@ -277,12 +277,12 @@ class Options(_OptionsDict):
     # -- batching --------------------------------------------------------------
     def deviceIterations(self, device_iterations):
         """Iterations of the device-side loop per call; one weight update each."""
-        _check_positive_int("deviceIterations", device_iterations)
+        _check_positive_int("device_iterations", device_iterations)
         return self.set(device_iterations=device_iterations)
 
     def replicationFactor(self, replication_factor):
         """Number of data-parallel replicas of the model."""
-        _check_positive_int("replicationFactor", replication_factor)
+        _check_positive_int("replication_factor", replication_factor)
         return self.set(replication_factor=replication_factor)
 
     def outputMode(self, output_mode, output_return_period=None):

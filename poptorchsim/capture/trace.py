@@ -254,22 +254,30 @@ def _finish(capture, out_info):
     return capture
 
 
-def capture_update(kind, shapes, group_of, flags_per_group):
+def capture_update(kind, shapes, group_of, flags_per_group, max_grad_norm=None):
     """Trace one optimizer step over every trainable parameter.
 
     ``shapes``: parameter shapes in order; ``group_of[i]``: its param_group;
-    ``flags_per_group``: the structural flags of each group.
+    ``flags_per_group``: the structural flags of each group;
+    ``max_grad_norm``: clip by the global gradient norm first (PopTorch's
+    optimizers' argument; ``clip_grad_norm_``'s formula).
     """
     state_names, hyper_names, rule = _opt.RULES[kind]
     n_groups = len(flags_per_group)
 
     def update(params, grads, state, steps, hyper, grad_scale):
         new_params, new_state, new_steps = [], [], []
+        grads = [g * grad_scale for g in grads]
+        if max_grad_norm is not None:
+            total = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
+            grads = [g * coef for g in grads]
         for i, (p, g) in enumerate(zip(params, grads)):
             grp = group_of[i]
             h = {name: hyper[grp * len(hyper_names) + j] for j, name in enumerate(hyper_names)}
             step = steps[i] + 1
-            p_new, s_new = rule(p, g * grad_scale, state[i], h, step, flags_per_group[grp])
+            p_new, s_new = rule(p, g, state[i], h, step, flags_per_group[grp])
             new_params.append(p_new)
             new_state.append(list(s_new))
             new_steps.append(step)

@@ -28,9 +28,11 @@ _CLASSES = {
         floor ceil round trunc remainder fmod square masked_scatter fill_ copy_
         _softmax_backward_data _log_softmax_backward_data elu elu_backward
         hardsigmoid hardswish hardsigmoid_backward hardswish_backward sigmoid_backward
-        tanh_backward gelu_backward silu_backward isnan isinf""",
+        tanh_backward gelu_backward silu_backward isnan isinf sgn signbit nan_to_num
+        logical_xor bitwise_xor atan2 hypot frac""",
     "transcendental": """exp log sqrt rsqrt tanh sigmoid erf gelu silu sin cos log1p
-        expm1 exp2 log2 log10 softplus softplus_backward mish""",
+        expm1 exp2 log2 log10 softplus softplus_backward mish tan atan asin acos
+        sinh cosh asinh acosh atanh erfinv erfc""",
     "reduction": """sum mean amax amin max min prod var var_mean std std_mean argmax
         argmin any all norm linalg_vector_norm cumsum logsumexp""",
     "softmax": """_softmax _log_softmax""",

@@ -137,8 +137,16 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
     step_fn = compile_graph(step_graph)
     update_fn = compile_graph(update_graph)
     bar.update(1); bar.close()
-    return Compiled(capture, program, target, memory, costs, cycles, step_fn, update_fn,
-                    kind, group_of, flags, time.perf_counter() - t0)
+    compiled = Compiled(capture, program, target, memory, costs, cycles, step_fn, update_fn,
+                        kind, group_of, flags, time.perf_counter() - t0)
+    compiled.max_grad_norm = max_grad_norm(optimizer)
+    return compiled
+
+
+def max_grad_norm(optimizer):
+    """poptorchsim.optim's global-norm clipping threshold, or None."""
+    value = getattr(optimizer, "max_grad_norm", None)
+    return None if value is None or value == float("inf") else float(value)
 
 
 def _build_update(model, optimizer, capture):
@@ -153,7 +161,7 @@ def _build_update(model, optimizer, capture):
     names = capture.trainable_names
     group_of = [group_index[id(params[n])] for n in names]
     shapes = [tuple(params[n].shape) for n in names]
-    update_fx = capture_update(kind, shapes, group_of, flags)
+    update_fx = capture_update(kind, shapes, group_of, flags, max_grad_norm(optimizer))
     state_names, hyper_names, _ = opt_rules.RULES[kind]
     roles = ([(n, "param") for n in names] + [(f"grad/{n}", "accumulator") for n in names]
              + [(f"{s}/{n}", "state") for n in names for s in state_names]
@@ -180,6 +188,7 @@ def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False):
     compiled.costs, compiled.memory = costs, memory
     compiled.update_fn = compile_graph(graph)
     compiled.optimizer_kind, compiled.group_of, compiled.flags = kind, group_of, flags
+    compiled.max_grad_norm = max_grad_norm(optimizer)
     return compiled
 
 

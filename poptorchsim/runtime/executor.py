@@ -302,11 +302,12 @@ class PoplarExecutor:
         new_object = optimizer is not self._optimizer
         if new_object:
             self._optimizer_state_to_host()
-        old = (self._compiled.optimizer_kind, self._compiled.flags)
+        old = (self._compiled.optimizer_kind, self._compiled.flags,
+               self._compiled.max_grad_norm)
         self._optimizer = optimizer
         kind = opt_rules.optimizer_kind(optimizer)
         flags = [opt_rules.group_settings(kind, g)[1] for g in optimizer.param_groups]
-        if (kind, flags) != old:
+        if (kind, flags, compiler.max_grad_norm(optimizer)) != old:
             compiler.rebuild_update(self._compiled, self._user_model, optimizer)
             self._engine.update_fn = self._compiled.update_fn
             self._load_optimizer_state()

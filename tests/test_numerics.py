@@ -1,0 +1,390 @@
+"""Numerics of trainingModel / inferenceModel against plain PyTorch.
+
+The simulated IPU must produce the same weights as plain PyTorch trained on
+the same data with the same optimizer, where one device iteration is one
+optimizer step over the mean gradient of ``ga * rf`` micro-batches.
+"""
+import copy
+
+import pytest
+import torch
+
+import poptorchsim
+from conftest import (BatchNormWithLoss, ClassifierWithLoss, assert_optimizer_state_close,
+                      assert_state_close, classification_batch, quiet_options,
+                      reference_call, regression_batch)
+
+MICRO = 4
+CALLS = 3
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-4),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=1e-2),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, alpha=0.9, momentum=0.9,
+                                             centered=True),
+    "sgd_nesterov": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+    "poptorch_sgd": lambda p: poptorchsim.optim.SGD(p, lr=0.05, momentum=0.9,
+                                                     weight_decay=1e-4),
+    "poptorch_adam": lambda p: poptorchsim.optim.Adam(p, lr=1e-3),
+    "sgd_plain": lambda p: torch.optim.SGD(p, lr=0.1),
+    "sgd_dampening": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.5),
+    "adam_l2": lambda p: torch.optim.Adam(p, lr=1e-3, betas=(0.8, 0.99), weight_decay=0.1),
+    "rmsprop_plain": lambda p: torch.optim.RMSprop(p, lr=1e-3),
+    "poptorch_loss_scaling": lambda p: poptorchsim.optim.SGD(p, lr=0.05, momentum=0.9,
+                                                              loss_scaling=128.0),
+}
+
+CONFIGS = {
+    "di4": (4, 1, 1),
+    "ga3": (1, 3, 1),
+    "rf2": (1, 1, 2),
+    "di2_ga2_rf2": (2, 2, 2),
+}
+
+
+def make_options(di, ga, rf):
+    opts = quiet_options().deviceIterations(di).replicationFactor(rf)
+    opts.Training.gradientAccumulation(ga)
+    return opts
+
+
+def batches_for(di, ga, rf, calls=CALLS, micro=MICRO):
+    n = micro * di * ga * rf
+    return [classification_batch(n, seed=100 + c) for c in range(calls)]
+
+
+def train_both(opt_name, di, ga, rf, model=None, calls=CALLS):
+    """Trains on the simulated IPU and in plain PyTorch; returns both sides."""
+    model = model if model is not None else ClassifierWithLoss()
+    model.train()
+    ref_model = copy.deepcopy(model)
+    optimizer = OPTIMIZERS[opt_name](model.parameters())
+    ref_optimizer = OPTIMIZERS[opt_name](ref_model.parameters())
+    training_model = poptorchsim.trainingModel(model, make_options(di, ga, rf),
+                                               optimizer=optimizer)
+    results = []
+    for batch in batches_for(di, ga, rf, calls):
+        sim = training_model(*batch)
+        ref = reference_call(ref_model, ref_optimizer, batch, di, ga, rf)
+        results.append((sim, ref))
+    return model, ref_model, optimizer, ref_optimizer, training_model, results
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_weights_match_pytorch(opt_name, config):
+    di, ga, rf = CONFIGS[config]
+    model = ClassifierWithLoss()
+    initial = model.fc1.weight.detach().clone()
+    model, ref_model, *_ = train_both(opt_name, di, ga, rf, model=model)
+    # The weights actually moved (the test would be vacuous otherwise).
+    assert not torch.allclose(model.fc1.weight, initial)
+    assert_state_close(model, ref_model)
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "rmsprop", "sgd_nesterov",
+                                      "poptorch_sgd", "poptorch_adam", "sgd_plain",
+                                      "sgd_dampening", "adam_l2", "rmsprop_plain",
+                                      "poptorch_loss_scaling"])
+def test_more_optimizers_match_pytorch(opt_name):
+    model, ref_model, *_ = train_both(opt_name, 2, 2, 2)
+    assert_state_close(model, ref_model)
+
+
+def test_default_optimizer_is_sgd_lr_0_01():
+    model = ClassifierWithLoss()
+    ref_model = copy.deepcopy(model)
+    ref_optimizer = torch.optim.SGD(ref_model.parameters(), lr=0.01)
+    training_model = poptorchsim.trainingModel(model, make_options(2, 1, 1))
+    for batch in batches_for(2, 1, 1):
+        training_model(*batch)
+        reference_call(ref_model, ref_optimizer, batch, 2, 1, 1)
+    assert_state_close(model, ref_model)
+
+
+def test_param_groups_with_different_hyperparameters():
+    def groups(m):
+        return [{"params": m.fc1.parameters(), "lr": 0.1, "weight_decay": 1e-2},
+                {"params": m.fc2.parameters(), "lr": 0.01, "momentum": 0.5}]
+
+    model = ClassifierWithLoss()
+    ref_model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(groups(model), lr=0.05, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(groups(ref_model), lr=0.05, momentum=0.9)
+    training_model = poptorchsim.trainingModel(model, make_options(2, 2, 1), optimizer)
+    for batch in batches_for(2, 2, 1):
+        training_model(*batch)
+        reference_call(ref_model, ref_optimizer, batch, 2, 2, 1)
+    assert_state_close(model, ref_model)
+
+
+@pytest.mark.parametrize("how", ["requires_grad", "not_in_optimizer"])
+def test_frozen_parameters_stay_frozen(how):
+    model = ClassifierWithLoss()
+    if how == "requires_grad":
+        model.fc1.requires_grad_(False)
+    ref_model = copy.deepcopy(model)
+    params = model.parameters() if how == "requires_grad" else model.fc2.parameters()
+    ref_params = (ref_model.parameters() if how == "requires_grad"
+                  else ref_model.fc2.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(ref_params, lr=0.05, momentum=0.9)
+    initial = copy.deepcopy(model.fc1.state_dict())
+    training_model = poptorchsim.trainingModel(model, make_options(2, 1, 1), optimizer)
+    for batch in batches_for(2, 1, 1):
+        training_model(*batch)
+        reference_call(ref_model, ref_optimizer, batch, 2, 1, 1)
+    for name, value in initial.items():
+        assert torch.equal(model.fc1.state_dict()[name], value)
+    assert_state_close(model, ref_model)
+
+
+def test_poptorch_sgd_max_grad_norm_clips_the_gradient():
+    """poptorch.optim's max_grad_norm clips by the global gradient norm (§6)."""
+    max_norm = 0.05
+    model = ClassifierWithLoss()
+    ref_model = copy.deepcopy(model)
+    optimizer = poptorchsim.optim.SGD(model.parameters(), lr=0.1, max_grad_norm=max_norm)
+    ref_optimizer = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    training_model = poptorchsim.trainingModel(model, make_options(1, 2, 1), optimizer)
+    for x, y in batches_for(1, 2, 1):
+        training_model(x, y)
+        ref_optimizer.zero_grad()
+        for xm, ym in zip(x.chunk(2), y.chunk(2)):
+            (ref_model(xm, ym)[1] / 2).backward()
+        total = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm)
+        assert total > max_norm          # the clipping is exercised
+        ref_optimizer.step()
+    assert_state_close(model, ref_model)
+
+
+def test_compile_then_call_matches_pytorch():
+    model = ClassifierWithLoss()
+    ref_model = copy.deepcopy(model)
+    optimizer = OPTIMIZERS["sgd"](model.parameters())
+    ref_optimizer = OPTIMIZERS["sgd"](ref_model.parameters())
+    training_model = poptorchsim.trainingModel(model, make_options(2, 1, 1), optimizer)
+    batches = batches_for(2, 1, 1)
+    training_model.compile(*batches[0])
+    assert training_model.isCompiled()
+    # compile() does not run: the weights have not moved yet.
+    assert_state_close(model, ref_model, rtol=0, atol=0)
+    for batch in batches:
+        training_model(*batch)
+        reference_call(ref_model, ref_optimizer, batch, 2, 1, 1)
+    assert_state_close(model, ref_model)
+
+
+def test_keyword_inputs_match_pytorch():
+    model = ClassifierWithLoss()
+    ref_model = copy.deepcopy(model)
+    optimizer = OPTIMIZERS["sgd"](model.parameters())
+    ref_optimizer = OPTIMIZERS["sgd"](ref_model.parameters())
+    training_model = poptorchsim.trainingModel(model, make_options(2, 1, 1), optimizer)
+    for x, y in batches_for(2, 1, 1):
+        training_model(x, target=y)
+        reference_call(ref_model, ref_optimizer, (x, y), 2, 1, 1)
+    assert_state_close(model, ref_model)
+
+
+def test_weights_move_each_call():
+    """The user's model holds the new weights after every call, not only at the end."""
+    torch.manual_seed(1)
+    model = ClassifierWithLoss()
+    ref_model = copy.deepcopy(model)
+    optimizer = OPTIMIZERS["sgd"](model.parameters())
+    ref_optimizer = OPTIMIZERS["sgd"](ref_model.parameters())
+    training_model = poptorchsim.trainingModel(model, make_options(2, 1, 1), optimizer)
+    for batch in batches_for(2, 1, 1):
+        training_model(*batch)
+        reference_call(ref_model, ref_optimizer, batch, 2, 1, 1)
+        assert_state_close(model, ref_model)
+
+
+def test_final_loss_and_output_match_pytorch():
+    """Default (Final) outputs: the last micro-batch's output and loss."""
+    (sim_out, sim_loss), (ref_out, ref_loss) = train_both("sgd", 2, 3, 1)[-1][-1]
+    torch.testing.assert_close(sim_out, ref_out[-1, -1, -1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sim_loss, ref_loss[-1, -1, -1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam", "rmsprop"])
+def test_optimizer_state_after_detach(opt_name):
+    model, ref_model, optimizer, ref_optimizer, training_model, _ = \
+        train_both(opt_name, 2, 2, 1)
+    training_model.detachFromDevice()
+    assert not training_model.isAttachedToDevice()
+    assert_state_close(model, ref_model)
+    assert_optimizer_state_close(optimizer, model, ref_optimizer, ref_model)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_training_continues_after_detach(opt_name):
+    """Detach, then call again: the state goes back to the device and training goes on."""
+    di, ga, rf = 2, 1, 1
+    model, ref_model, optimizer, ref_optimizer, training_model, _ = \
+        train_both(opt_name, di, ga, rf, calls=2)
+    training_model.detachFromDevice()
+    for batch in batches_for(di, ga, rf, calls=2):
+        training_model(*batch)
+        reference_call(ref_model, ref_optimizer, batch, di, ga, rf)
+    assert training_model.isAttachedToDevice()
+    assert_state_close(model, ref_model)
+    training_model.detachFromDevice()
+    assert_optimizer_state_close(optimizer, model, ref_optimizer, ref_model)
+
+
+def test_set_optimizer_changes_lr_between_calls():
+    di, ga, rf = 2, 1, 1
+    model = ClassifierWithLoss()
+    ref_model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
+    training_model = poptorchsim.trainingModel(model, make_options(di, ga, rf), optimizer)
+    for lr, batch in zip([0.05, 0.01, 0.2], batches_for(di, ga, rf)):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        training_model.setOptimizer(optimizer)
+        for group in ref_optimizer.param_groups:
+            group["lr"] = lr
+        training_model(*batch)
+        reference_call(ref_model, ref_optimizer, batch, di, ga, rf)
+    assert_state_close(model, ref_model)
+
+
+def test_set_optimizer_with_new_optimizer_object():
+    """A new optimizer object brings its own (empty) state and its own lr."""
+    di, ga, rf = 2, 1, 1
+    model = ClassifierWithLoss()
+    ref_model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
+    training_model = poptorchsim.trainingModel(model, make_options(di, ga, rf), optimizer)
+    batches = batches_for(di, ga, rf)
+    training_model(*batches[0])
+    reference_call(ref_model, ref_optimizer, batches[0], di, ga, rf)
+
+    new_optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    training_model.setOptimizer(new_optimizer)
+    ref_optimizer = torch.optim.SGD(ref_model.parameters(), lr=0.01, momentum=0.9)
+    for batch in batches[1:]:
+        training_model(*batch)
+        reference_call(ref_model, ref_optimizer, batch, di, ga, rf)
+    assert_state_close(model, ref_model)
+
+
+def test_batchnorm_buffers_match_pytorch():
+    di = 2
+    model = BatchNormWithLoss()
+    model.train()
+    ref_model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
+    training_model = poptorchsim.trainingModel(model, make_options(di, 1, 1), optimizer)
+    for c in range(CALLS):
+        batch = regression_batch(8 * di, seed=c)
+        training_model(*batch)
+        reference_call(ref_model, ref_optimizer, batch, di, 1, 1)
+    # running_mean / running_var / num_batches_tracked moved as in PyTorch.
+    assert int(model.bn.num_batches_tracked) == CALLS * di
+    assert not torch.allclose(model.bn.running_mean, torch.zeros_like(model.bn.running_mean))
+    assert_state_close(model, ref_model)
+
+
+def test_batchnorm_buffers_with_gradient_accumulation():
+    di, ga = 2, 2
+    model = BatchNormWithLoss()
+    model.train()
+    ref_model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_optimizer = torch.optim.SGD(ref_model.parameters(), lr=0.05)
+    training_model = poptorchsim.trainingModel(model, make_options(di, ga, 1), optimizer)
+    for c in range(2):
+        batch = regression_batch(8 * di * ga, seed=c)
+        training_model(*batch)
+        reference_call(ref_model, ref_optimizer, batch, di, ga, 1)
+    assert int(model.bn.num_batches_tracked) == 2 * di * ga
+    assert_state_close(model, ref_model)
+
+
+def test_sum_reduction_with_halved_lr_matches_mean():
+    """batching_test: with Sum reduction and ga=2, lr/2 gives the Mean result."""
+    di, ga = 1, 2
+    model = ClassifierWithLoss()
+    ref_model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05 / ga)
+    ref_optimizer = torch.optim.SGD(ref_model.parameters(), lr=0.05)
+    opts = make_options(di, ga, 1)
+    opts.Training.accumulationAndReplicationReductionType(poptorchsim.ReductionType.Sum)
+    training_model = poptorchsim.trainingModel(model, opts, optimizer)
+    for batch in batches_for(di, ga, 1):
+        training_model(*batch)
+        reference_call(ref_model, ref_optimizer, batch, di, ga, 1)
+    assert_state_close(model, ref_model)
+
+
+# ---------------------------------------------------------------------------
+# Inference
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("di", [1, 3])
+def test_inference_matches_eval_model(di):
+    model = ClassifierWithLoss()
+    x, _ = classification_batch(6 * di)
+    inference_model = poptorchsim.inferenceModel(
+        model, quiet_options().deviceIterations(di))
+    out = inference_model(x)
+    with torch.no_grad():
+        expected = model.eval()(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_inference_uses_batchnorm_running_statistics():
+    model = BatchNormWithLoss()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+    model.train()
+    x, _ = regression_batch(8)
+    out = poptorchsim.inferenceModel(model, quiet_options())(x)
+    with torch.no_grad():
+        expected = copy.deepcopy(model).eval()(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    # Inference does not move the running statistics.
+    assert int(model.bn.num_batches_tracked) == 0
+
+
+def test_inference_model_sees_weights_from_training_model():
+    model = ClassifierWithLoss()
+    x, y = classification_batch(8)
+    inference_model = poptorchsim.inferenceModel(model, quiet_options())
+    before = inference_model(x)
+
+    training_model = poptorchsim.trainingModel(
+        model, quiet_options(), torch.optim.SGD(model.parameters(), lr=0.5))
+    training_model(x, y)
+
+    after = inference_model(x)
+    with torch.no_grad():
+        expected = copy.deepcopy(model).eval()(x)
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-6)
+
+    # And again after another training call.
+    training_model(x, y)
+    with torch.no_grad():
+        expected = copy.deepcopy(model).eval()(x)
+    torch.testing.assert_close(inference_model(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_inference_copy_weights_to_device_after_host_change():
+    model = ClassifierWithLoss()
+    x, _ = classification_batch(8)
+    inference_model = poptorchsim.inferenceModel(model, quiet_options())
+    inference_model(x)
+    with torch.no_grad():
+        model.fc2.bias.add_(1.0)
+    inference_model.copyWeightsToDevice()
+    with torch.no_grad():
+        expected = copy.deepcopy(model).eval()(x)
+    torch.testing.assert_close(inference_model(x), expected, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,29 @@
+"""The tutorials run end to end (their --small variants, as CI runs them)."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_tutorial(script, *args, timeout=300):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_basics_tutorial_runs_and_reports_accuracy():
+    result = _run_tutorial("tutorials/basics/basics.py", "--small")
+    assert result.returncode == 0, (
+        f"basics.py --small exited with {result.returncode}\n"
+        f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-4000:]}")
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert lines, "basics.py printed nothing"
+    match = re.search(r"accuracy: (\d+(?:\.\d+)?)%", lines[-1])
+    assert match, f"the last line does not report an accuracy: {lines[-1]!r}"
+    # two well-separated blobs: anything below 90% means training went wrong
+    assert 90.0 <= float(match.group(1)) <= 100.0, lines[-1]
