@@ -571,3 +571,140 @@ def test_setters_chain_and_return_self():
     assert opts.Training.gradientAccumulation(3) is opts.Training
     assert (opts.device_iterations, opts.replication_factor,
             opts.Training.gradient_accumulation) == (2, 2, 3)
+
+
+# ---------------------------------------------------------------------------
+# Argument parsing (poptorch-api.md §3, step 2)
+# ---------------------------------------------------------------------------
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x, y):
+        return self.fc(x) + y
+
+
+def test_missing_mandatory_parameter():
+    inference_model = poptorchsim.inferenceModel(TwoInputs(), quiet_options())
+    with pytest.raises(poptorchsim.Error, match="Mandatory parameter y missing"):
+        inference_model(torch.randn(4, 6))
+
+
+def test_too_many_arguments():
+    inference_model = poptorchsim.inferenceModel(TwoInputs(), quiet_options())
+    with pytest.raises(AssertionError, match=re.escape(
+            "Too many arguments provided: expected ['x', 'y'] (2) but got 3")):
+        inference_model(torch.randn(4, 6), torch.randn(4, 4), torch.randn(4, 4))
+
+
+def test_non_tensor_argument_value_change():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 4)
+
+        def forward(self, x, k=2):
+            return self.fc(x) * k
+
+    inference_model = poptorchsim.inferenceModel(Scaled(), quiet_options())
+    inference_model(torch.randn(4, 6))
+    with pytest.raises(poptorchsim.InputMismatchError) as info:
+        inference_model(torch.randn(4, 6), 3)
+    assert str(info.value) == "Value mismatch for k: expected 2 but got 3" + MISMATCH_SUFFIX
+
+
+def test_zero_sized_input():
+    inference_model = poptorchsim.inferenceModel(nn.Linear(6, 4), quiet_options())
+    with pytest.raises(poptorchsim.Error, match=re.escape(
+            "Zero-sized tensors are unsupported (Got shape [0, 6])")):
+        inference_model(torch.randn(0, 6))
+
+
+# ---------------------------------------------------------------------------
+# Output mode EveryN: PopART's DataFlow::isValidAnchorReturnPeriod
+# ---------------------------------------------------------------------------
+def test_every_n_period_larger_than_device_iterations():
+    opts = quiet_options().deviceIterations(4).outputMode(poptorchsim.OutputMode.EveryN, 8)
+    inference_model = poptorchsim.inferenceModel(nn.Linear(6, 4), opts)
+    with pytest.raises(poptorchsim.Error,
+                       match="Return period must be <= to the number of batches per step"):
+        inference_model(torch.randn(8, 6))
+
+
+def test_every_n_period_not_a_factor_of_device_iterations():
+    opts = quiet_options().deviceIterations(4).outputMode(poptorchsim.OutputMode.EveryN, 3)
+    inference_model = poptorchsim.inferenceModel(nn.Linear(6, 4), opts)
+    with pytest.raises(poptorchsim.Error,
+                       match="Return period must be a factor of the number of batches "
+                             "per step"):
+        inference_model(torch.randn(8, 6))
+
+
+# ---------------------------------------------------------------------------
+# Buffers changed by forward() (poptorch-api.md §7; PopTorch's buffers_test.py)
+# ---------------------------------------------------------------------------
+def test_buffer_removed_in_forward():
+    class RemovesBuffer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("y", torch.tensor([2.0]))
+
+        def forward(self, x):
+            x = x + 1
+            if "y" in self._buffers:
+                del self._buffers["y"]
+            return x
+
+    inference_model = poptorchsim.inferenceModel(RemovesBuffer(), quiet_options())
+    with pytest.raises(poptorchsim.Error, match=re.escape(
+            "Buffer y is removed from the model when calling the forward method.")):
+        inference_model(torch.tensor([5.0]))
+
+
+def test_buffer_reassigned_in_forward():
+    class ReassignsBuffer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("y", torch.tensor([2.0]))
+
+        def forward(self, x):
+            x = x + 1
+            self.y = x
+            return x
+
+    inference_model = poptorchsim.inferenceModel(ReassignsBuffer(), quiet_options())
+    with pytest.raises(poptorchsim.Error, match=re.escape(
+            "Buffer y is reassigned within the model when calling the forward method. "
+            "This is not supported. Consider using self.y.copy_(src) to copy data from a "
+            "source tensor, where src is the name of the source tensor.")):
+        inference_model(torch.tensor([5.0]))
+
+
+class BufferUpdatingModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+        self.register_buffer("test_buff", torch.zeros(2))
+        self.loss = nn.MSELoss()
+
+    def forward(self, x, target):
+        out = self.conv(x)
+        with torch.no_grad():
+            self.test_buff += self.conv.bias[0]
+        return out, self.loss(out, target)
+
+
+def test_inplace_buffer_update_with_replicas_needs_broadcast_off():
+    model = BufferUpdatingModel()
+    before = snapshot(model)
+    opts = quiet_options().replicationFactor(2)
+    training_model = poptorchsim.trainingModel(
+        model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.ones(4, 2, 2, 2)
+    with pytest.raises(poptorchsim.Error, match=re.escape(
+            "PopTorch does not support broadcasting buffers. If your model is able to "
+            "tolerate buffers becoming out of sync between replicas, you can disable "
+            "buffer broadcasting using poptorch.Options.broadcastBuffers(False).")):
+        training_model(x, torch.zeros_like(x))
+    assert_unchanged(model, before)

@@ -388,3 +388,75 @@ def test_inference_copy_weights_to_device_after_host_change():
     with torch.no_grad():
         expected = copy.deepcopy(model).eval()(x)
     torch.testing.assert_close(inference_model(x), expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Buffers updated in place by forward() (PopTorch's buffers_test.py)
+# ---------------------------------------------------------------------------
+class BufferUpdatingModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 2, 1)
+        self.register_buffer("test_buff", torch.zeros(2))
+        self.loss = torch.nn.MSELoss()
+
+    def forward(self, x, target):
+        out = self.conv(x)
+        with torch.no_grad():
+            self.test_buff += self.conv.bias[0]
+        return out, self.loss(out, target)
+
+
+@pytest.mark.parametrize("di,ga", [(1, 1), (3, 1), (2, 3)])
+def test_inplace_buffer_update_follows_the_parameters(di, ga):
+    model = BufferUpdatingModel()
+    ref_model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    training_model = poptorchsim.trainingModel(model, make_options(di, ga, 1), optimizer)
+    for c in range(3):
+        g = torch.Generator().manual_seed(c)
+        x = torch.randn(2 * di * ga, 2, 2, 2, generator=g)
+        target = torch.randn(x.shape, generator=g)
+        training_model(x, target)
+        reference_call(ref_model, ref_optimizer, (x, target), di, ga, 1)
+    assert not torch.equal(model.test_buff, torch.zeros(2))
+    assert_state_close(model, ref_model)
+
+
+def test_inference_buffer_without_inputs():
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("x", torch.tensor([1.0]))
+
+        def forward(self):
+            self.x += 1.0
+            return self.x
+
+    model = Counter()
+    inference_model = poptorchsim.inferenceModel(model, quiet_options())
+    assert [float(inference_model()) for _ in range(4)] == [2.0, 3.0, 4.0, 5.0]
+    # Inference buffers reach the host only with copyWeightsToHost.
+    assert float(model.x) == 1.0
+    inference_model.copyWeightsToHost()
+    assert float(model.x) == 5.0
+
+
+def test_unsynchronised_replicated_buffers():
+    class ReplicaBufferModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("buffer", torch.zeros(1, 2))
+
+        def forward(self, x):
+            self.buffer.copy_(self.buffer + x)
+            return poptorchsim.identity_loss(self.buffer, reduction="none")
+
+    opts = quiet_options().replicationFactor(2).broadcastBuffers(False)
+    inference_model = poptorchsim.inferenceModel(ReplicaBufferModel(), opts)
+    x = torch.tensor([[9], [2]])
+    for _ in range(50):
+        y = inference_model(x)
+    assert y[0][-1] == x[0] * 50
+    assert y[1][-1] == x[1] * 50

@@ -265,3 +265,21 @@ def test_backward_on_output_raises(training):
                            match=r"backward\(\) cannot be called explicitly on outputs "
                                  r"of a PopTorch model"):
             t.backward()
+
+
+def test_host_side_constant_output_keeps_its_shape():
+    """b_dim = 1 for outputs that do not depend on the inputs (§4)."""
+    class WithConstant(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 4)
+
+        def forward(self, x):
+            return self.fc(x), torch.ones(3)
+
+    model = WithConstant()
+    x = torch.randn(8, 6)
+    out, const = poptorchsim.inferenceModel(model, quiet_options().deviceIterations(2))(x)
+    assert out.shape == torch.Size([8, 4])
+    assert const.shape == torch.Size([3])
+    close(const, torch.ones(3))
