@@ -5,6 +5,7 @@ with torch.fx, lowered to an IPU graph IR, mapped onto a simulated tile array
 and run with PyTorch's own kernels.
 """
 import logging
+import weakref
 
 import torch
 
@@ -42,7 +43,7 @@ def trainingModel(model, options=None, optimizer=None):
     """
     if isinstance(model, PoplarExecutor):
         model = model.model
-    if getattr(model, "_poptorchsim_wrapper", None) is not None:
+    if _wrapper_of(model) is not None:
         raise RuntimeError(WRAPPED_ERR)
     options = _options_or_default(options)
     if optimizer is None:
@@ -52,9 +53,37 @@ def trainingModel(model, options=None, optimizer=None):
     options._freeze()
     executor = PoplarExecutor(model, _frozen_clone(options), training=True,
                               optimizer=optimizer)
-    model._poptorchsim_wrapper = executor
-    model.destroy = executor.destroy
+    model._poptorchsim_wrapper = weakref.ref(executor)
+    model.destroy = _Destroy(model._poptorchsim_wrapper)
     return executor
+
+
+def _wrapper_of(model):
+    """The live training executor wrapping this very model object, if any."""
+    ref = getattr(model, "_poptorchsim_wrapper", None)
+    executor = ref() if ref is not None else None
+    if executor is None or executor.model is not model or not executor.isWrapping():
+        return None
+    return executor
+
+
+class _Destroy:
+    """``model.destroy()`` while a trainingModel wraps the model.
+
+    Copies of the model (``copy.deepcopy``) share this object but are not
+    wrapped themselves."""
+
+    def __init__(self, ref):
+        self._ref = ref
+
+    def __call__(self):
+        executor = self._ref()
+        if executor is None:
+            raise Error("model was never wrapped")
+        executor.destroy()
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 def inferenceModel(model, options=None):

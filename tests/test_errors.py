@@ -379,9 +379,10 @@ def test_wrapping_twice_raises_until_destroyed():
 
 def test_wrapping_twice_raises_even_before_compile():
     model = ClassifierWithLoss()
-    poptorchsim.trainingModel(model, quiet_options(), sgd(model))
+    first = poptorchsim.trainingModel(model, quiet_options(), sgd(model))
     with pytest.raises(RuntimeError, match="already been wrapped"):
         poptorchsim.trainingModel(model, quiet_options(), sgd(model))
+    assert not first.isCompiled()
 
 
 def test_call_after_destroy_recompiles_or_fails_cleanly():
@@ -708,3 +709,24 @@ def test_inplace_buffer_update_with_replicas_needs_broadcast_off():
             "buffer broadcasting using poptorch.Options.broadcastBuffers(False).")):
         training_model(x, torch.zeros_like(x))
     assert_unchanged(model, before)
+
+
+def test_compilation_time_errors():
+    x = torch.randn(4, 6)
+    inference_model = poptorchsim.inferenceModel(nn.Linear(6, 4), quiet_options())
+    with pytest.raises(poptorchsim.Error, match=re.escape(
+            "Please compile the model before obtaining compilation time.")):
+        inference_model.compilationTime()
+    inference_model(x)
+    # The time comes from the progress bar, which quiet_options() turned off.
+    with pytest.raises(poptorchsim.Error, match=re.escape(
+            "Please set showCompilationProgressBar option to obtain compilation time.")):
+        inference_model.compilationTime()
+
+
+def test_compilation_time_with_progress_bar():
+    import datetime
+    opts = poptorchsim.Options().showCompilationProgressBar(True)
+    inference_model = poptorchsim.inferenceModel(nn.Linear(6, 4), opts)
+    inference_model(torch.randn(4, 6))
+    assert isinstance(inference_model.compilationTime(), datetime.timedelta)

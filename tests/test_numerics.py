@@ -460,3 +460,55 @@ def test_unsynchronised_replicated_buffers():
         y = inference_model(x)
     assert y[0][-1] == x[0] * 50
     assert y[1][-1] == x[1] * 50
+
+
+# ---------------------------------------------------------------------------
+# Host <-> device copies (poptorch-api.md §3)
+# ---------------------------------------------------------------------------
+def test_copy_weights_to_device_keeps_training_state():
+    """copyWeightsToDevice mid-training with unchanged host weights changes nothing:
+    in particular the momentum on the device is kept."""
+    model = ClassifierWithLoss()
+    ref_model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
+    training_model = poptorchsim.trainingModel(model, make_options(1, 1, 1), optimizer)
+    for c, batch in enumerate(batches_for(1, 1, 1)):
+        training_model(*batch)
+        reference_call(ref_model, ref_optimizer, batch)
+        if c == 0:
+            training_model.copyWeightsToDevice()
+    assert_state_close(model, ref_model)
+
+
+def test_copy_weights_to_device_uploads_host_changes_in_training():
+    model = ClassifierWithLoss()
+    ref_model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_optimizer = torch.optim.SGD(ref_model.parameters(), lr=0.05)
+    training_model = poptorchsim.trainingModel(model, make_options(1, 1, 1), optimizer)
+    batches = batches_for(1, 1, 1)
+    training_model(*batches[0])
+    reference_call(ref_model, ref_optimizer, batches[0])
+    with torch.no_grad():
+        model.fc2.weight.mul_(0.5)
+        ref_model.fc2.weight.mul_(0.5)
+    training_model.copyWeightsToDevice()
+    for batch in batches[1:]:
+        training_model(*batch)
+        reference_call(ref_model, ref_optimizer, batch)
+    assert_state_close(model, ref_model)
+
+
+def test_load_state_dict_on_inference_model_updates_the_device():
+    """PoplarExecutor.load_state_dict loads into the user model, then
+    copyWeightsToDevice if attached."""
+    model = ClassifierWithLoss()
+    inference_model = poptorchsim.inferenceModel(model, quiet_options())
+    x, _ = classification_batch(8)
+    inference_model(x)
+    other = ClassifierWithLoss()
+    inference_model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        expected = other.eval()(x)
+    torch.testing.assert_close(inference_model(x), expected, rtol=1e-5, atol=1e-6)

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 from torch._decomp import get_decompositions
-from torch.func import functional_call, functionalize, grad_and_value
+from torch.func import functionalize, grad_and_value
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..errors import DataDependentError, LossError
+from ..errors import DataDependentError, Error, LossError
 from . import losses as _losses
 from . import optimizers as _opt
 
@@ -72,10 +72,19 @@ class Capture:
 def bind_inputs(module, args, kwargs):
     """Args and kwargs bound to ``forward``'s signature, defaults filled in."""
     sig = inspect.signature(module.forward)
+    params = [p for p in sig.parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    variadic = any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values())
+    if len(args) > len(params) and not variadic:
+        names = [p.name for p in params]
+        raise AssertionError(f"Too many arguments provided: expected {names} "
+                             f"({len(names)}) but got {len(args)}")
+    for i, p in enumerate(params):
+        if i >= len(args) and p.name not in kwargs and p.default is p.empty:
+            raise Error(f"Mandatory parameter {p.name} missing")
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:
-        from ..errors import Error
         raise Error(f"{exc}: the inputs do not match "
                     f"{type(module).__name__}.forward{sig}") from None
     bound.apply_defaults()
@@ -122,7 +131,7 @@ def _trace(fn, example, what):
         with _tracing_scope():
             gm = make_fx(functionalize(fn, remove="mutations"), tracing_mode="fake",
                          decomposition_table=DECOMPOSITIONS)(*example)
-    except (DataDependentError, LossError):
+    except Error:
         raise
     except Exception as exc:  # noqa: BLE001 - classified below
         name = type(exc).__name__
@@ -160,6 +169,31 @@ def _select_loss(recorded):
     return candidates[0], kind
 
 
+def _call_checked(module, state, args, kwargs, buffer_names):
+    """``functional_call`` that also catches a forward() removing or
+    reassigning a buffer or parameter (PopTorch's texts)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+    from ..errors import Error
+    with _reparametrize_module(module, state):
+        out = module(*args, **kwargs)
+        for name, tensor in state.items():
+            kind = "Buffer" if name in buffer_names else "Parameter"
+            owner, _, attr = name.rpartition(".")
+            sub = module.get_submodule(owner) if owner else module
+            store = sub._buffers if kind == "Buffer" else sub._parameters
+            if attr not in store and getattr(sub, attr, None) is None:
+                raise Error(f"{kind} {name} is removed from the model when calling the "
+                            "forward method.")
+            current = store.get(attr, getattr(sub, attr, None))
+            if current is not tensor:
+                raise Error(
+                    f"{kind} {name} is reassigned within the model when calling the "
+                    f"forward method. This is not supported. Consider using "
+                    f"self.{name}.copy_(src) to copy data from a source tensor, where src "
+                    "is the name of the source tensor.")
+    return out
+
+
 def _split_state(module):
     params = dict(module.named_parameters())
     buffers = dict(module.named_buffers())
@@ -183,7 +217,8 @@ def capture_training(module, args, kwargs, in_optimizer):
         def loss_of(p_train, bufs):
             a, kw = _rebuild_inputs(described, spec, inputs)
             with _losses.LossRecorder() as recorder:
-                out = functional_call(module, {**p_train, **p_frozen, **bufs}, a, kw)
+                out = _call_checked(module, {**p_train, **p_frozen, **bufs}, a, kw,
+                                    bufs)
             loss, kind = _select_loss(recorder.losses)
             out_info["loss_kind"] = kind
             scalar = loss if loss.dim() == 0 else loss.sum()
@@ -218,7 +253,7 @@ def capture_inference(module, args, kwargs):
 
     def forward(p, bufs, inputs):
         a, kw = _rebuild_inputs(described, spec, inputs)
-        out = functional_call(module, {**p, **bufs}, a, kw)
+        out = _call_checked(module, {**p, **bufs}, a, kw, bufs)
         leaves, out_spec = pytree.tree_flatten(out)
         out_info["spec"], out_info["leaves"] = out_spec, leaves
         return ([x for x in leaves if isinstance(x, torch.Tensor)],

@@ -57,6 +57,17 @@ def _leaf_names(args, kwargs, arg_names):
     return names
 
 
+def _input_independent_outputs(compiled):
+    """Indices of user outputs that do not depend on any input (constants)."""
+    graph = next(iter(compiled.program.graphs.values()))
+    dependent = {t.id for t in graph.inputs if t.role == "input"}
+    for op in graph.ops:
+        if any(t.id in dependent for t in op.input_tensors()):
+            dependent.update(t.id for t in op.outputs if t is not None)
+    n = compiled.capture.n_tensor_outputs
+    return {k for k, t in enumerate(graph.outputs[:n]) if t.id not in dependent}
+
+
 class PoplarExecutor:
     """A model wrapped for the simulated IPU (PopTorch's ``PoplarExecutor``)."""
 
@@ -69,6 +80,7 @@ class PoplarExecutor:
         self._attached = False
         self._state = _DeviceState()
         self._uploaded_version = -1
+        self._destroyed = False
         self._input_template = None
         self._target = default_target()
         mode = enums.OutputMode(options.output_mode)
@@ -129,6 +141,10 @@ class PoplarExecutor:
         import inspect
         arg_names = list(inspect.signature(self._user_model.forward).parameters)
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and leaf.numel() == 0:
+                raise Error("Zero-sized tensors are unsupported (Got shape "
+                            f"{list(leaf.shape)})")
         return args, kwargs, leaves, spec, _leaf_names(args, kwargs, arg_names)
 
     def _validate(self, leaves, spec, names):
@@ -164,7 +180,22 @@ class PoplarExecutor:
             return
         self._compile(*self._prepare(args, kwargs))
 
+    def _check_output_period(self):
+        di = self._options.device_iterations
+        period = self._options.output_return_period
+        if self._output_mode != enums.OutputMode.EveryN:
+            return
+        if period > di:
+            raise Error(f"Return period must be <= to the number of batches per step: "
+                        f"OutputMode.EveryN period {period} > deviceIterations {di}. "
+                        "Lower the period or raise deviceIterations.")
+        if di % period:
+            raise Error(f"Return period must be a factor of the number of batches per "
+                        f"step: deviceIterations {di} is not a multiple of the "
+                        f"OutputMode.EveryN period {period}.")
+
     def _compile(self, args, kwargs, leaves, spec, names):
+        self._check_output_period()
         self._check_batch(leaves)
         di, ga, rf = self._factors()
         factor = di * ga * rf
@@ -175,21 +206,53 @@ class PoplarExecutor:
         amp = o.available_memory_proportion.get("IPU0", 0.6)
         allow_oom = bool(o._Popart.options.get("allowOutOfMemory", False))
         show = o.show_compilation_progress_bar
+        out_bytes = self._output_bytes_fn(di, ga, rf)
         if self._training:
             compiled = compiler.compile_training(
                 self._user_model, self._optimizer, micro[0], micro[1], di=di, ga=ga, rf=rf,
-                target=self._target, amp=amp, show_progress=show, allow_oom=allow_oom)
+                target=self._target, amp=amp, show_progress=show, allow_oom=allow_oom,
+                out_bytes_fn=out_bytes)
         else:
             compiled = compiler.compile_inference(
                 self._user_model, micro[0], micro[1], di=di, rf=rf, target=self._target,
-                amp=amp, show_progress=show, allow_oom=allow_oom)
+                amp=amp, show_progress=show, allow_oom=allow_oom, out_bytes_fn=out_bytes)
+        if self._training and rf > 1 and o.broadcast_buffers:
+            step = compiled.program.graphs["training_step"]
+            names = compiled.capture.buffer_names
+            inputs = {t.id for t in step.inputs if t.role == "buffer"}
+            norm_stats = {f"{m}.{b}" if m else b
+                          for m, mod in self._user_model.named_modules()
+                          if isinstance(mod, torch.nn.modules.batchnorm._NormBase)
+                          for b, _ in mod.named_buffers(recurse=False)}
+            outs = step.outputs[len(step.outputs) - len(names):] if names else []
+            if any(t.id not in inputs and n not in norm_stats for n, t in zip(names, outs)):
+                raise Error(
+                    "PopTorch does not support broadcasting buffers. If your model is able "
+                    "to tolerate buffers becoming out of sync between replicas, you can "
+                    "disable buffer broadcasting using "
+                    "poptorch.Options.broadcastBuffers(False).")
+        self._constant_outputs = _input_independent_outputs(compiled)
         self._compiled = compiled
         self._engine = Engine(compiled.step_fn, compiled.update_fn)
         self._input_template = ([torch.empty(t.shape, dtype=t.dtype, device="meta")
                                  if isinstance(t, torch.Tensor) else t for t in leaves],
                                 spec, names)
-        self.copyWeightsToDevice()
+        self._upload()
         self._attached = True
+
+    def _output_bytes_fn(self, di, ga, rf):
+        """Bytes one call streams back to the host, as the output mode asks."""
+        mode, period = self._output_mode, self._options.output_return_period
+        copies = {enums.OutputMode.All: di * ga * rf,
+                  enums.OutputMode.EveryN: (di // period) * ga * rf}.get(mode, rf)
+
+        def out_bytes(capture):
+            node = next(n for n in capture.graph.graph.nodes if n.op == "output")
+            leaves = pytree.tree_leaves(node.args[0])[:capture.n_tensor_outputs]
+            per_micro = sum(v.meta["val"].numel() * v.meta["val"].element_size()
+                            for v in leaves if hasattr(v, "meta") and "val" in v.meta)
+            return per_micro * copies
+        return out_bytes
 
     def isCompiled(self):
         return self._compiled is not None
@@ -211,8 +274,18 @@ class PoplarExecutor:
         return dict(self._user_model.named_parameters())
 
     def copyWeightsToDevice(self):
-        """Host -> device: weights, buffers and (training) optimizer state."""
+        """Host -> device: weights and buffers (the device keeps its optimizer state)."""
         self._require_compiled()
+        self._upload(keep_optimizer_state=self._state.opt_state is not None)
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Loads into the user's model, then into the device when attached."""
+        result = self._user_model.load_state_dict(state_dict, strict)
+        if self.isAttachedToDevice():
+            self.copyWeightsToDevice()
+        return result
+
+    def _upload(self, keep_optimizer_state=False):
         cap = self._compiled.capture
         params = self._named_params()
         buffers = dict(self._user_model.named_buffers())
@@ -223,7 +296,8 @@ class PoplarExecutor:
                       for _ in range(rf)]
         if self._training:
             st.n_trainable = len(cap.trainable_names)
-            self._load_optimizer_state()
+            if not keep_optimizer_state:
+                self._load_optimizer_state()
         self._uploaded_version = getattr(self._user_model, "_poptorchsim_version", 0)
 
     def _load_optimizer_state(self):
@@ -323,7 +397,7 @@ class PoplarExecutor:
             raise AssertionError("Trying to attach to an offline device (ConnectionType.Never)")
         if self._attached:
             raise Error("Device is already attached")
-        self.copyWeightsToDevice()
+        self._upload()
         self._attached = True
 
     def detachFromDevice(self):
@@ -337,17 +411,20 @@ class PoplarExecutor:
     def isAttachedToDevice(self):
         return self._compiled is not None and self._attached
 
+    def isWrapping(self):
+        return not self._destroyed
+
     def destroy(self):
         """Copies weights back (training), drops the executable, unwraps the model."""
-        if self._compiled is None:
-            return
-        if self._training and self._attached:
+        if self._compiled is not None and self._training and self._attached:
             self.copyWeightsToHost()
         self._compiled = None
         self._attached = False
+        self._destroyed = True
         m = self._user_model
-        if getattr(m, "_poptorchsim_wrapper", None) is self:
-            del m._poptorchsim_wrapper
+        ref = m.__dict__.get("_poptorchsim_wrapper")
+        if ref is not None and ref() is self:
+            del m.__dict__["_poptorchsim_wrapper"]
             m.__dict__.pop("destroy", None)
 
     # -- simulation results -----------------------------------------------------------------
@@ -365,6 +442,9 @@ class PoplarExecutor:
         import datetime
         if self._compiled is None:
             raise Error("Please compile the model before obtaining compilation time.")
+        if not self._options.show_compilation_progress_bar:
+            raise Error("Please set showCompilationProgressBar option to obtain "
+                        "compilation time.")
         return datetime.timedelta(seconds=self._compiled.compile_seconds)
 
     # -- running ---------------------------------------------------------------------------
@@ -401,6 +481,8 @@ class PoplarExecutor:
         outs = []
         for k in range(cap.n_tensor_outputs):
             parts = [row[k] for row in rows]
+            if k in self._constant_outputs:     # host-side constant: b_dim is 1
+                parts = parts[:1]
             if len(parts) == 1:
                 t = parts[0]
             elif parts[0].dim() == 0:
