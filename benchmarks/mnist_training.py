@@ -114,8 +114,8 @@ def run(rounds, seed=0):
     eager_model.load_state_dict(sim_model.state_dict())
     eager_model.train()
 
+    # compilationTime() needs the compilation progress bar, as in PopTorch
     opts = poptorch.Options().deviceIterations(DEVICE_ITERATIONS)
-    opts.showCompilationProgressBar(False)
     training_model = poptorch.trainingModel(
         sim_model, opts, poptorch.optim.SGD(sim_model.parameters(), lr=LR))
     eager_opt = torch.optim.SGD(eager_model.parameters(), lr=LR)
