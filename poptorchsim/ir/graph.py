@@ -146,6 +146,9 @@ class Program:
     replicas: int = 1
     device_iterations: int = 1
     accumulation: int = 1
+    in_bytes: int = 0                 # streamed host -> device per call
+    out_bytes: int = 0                # streamed device -> host per call
+    grad_bytes: int = 0               # gradients reduced per weight update
 
     def __str__(self):
         from .printer import format_program

@@ -50,7 +50,7 @@ def _macs(op):
         k = a.shape[-1]
         return out.numel * k, k
     if name == "convolution":
-        weight, groups = op.args[1], op.args[8]
+        weight = op.args[1]
         k = weight.numel // weight.shape[0]
         return out.numel * k, k
     if name == "convolution_backward":

@@ -35,6 +35,7 @@ class Compiled:
     group_of: list = field(default_factory=list)
     flags: list = field(default_factory=list)
     compile_seconds: float = 0.0
+    max_grad_norm: float = None
 
 
 def _bytes(shapes_dtypes):
@@ -48,7 +49,7 @@ def _graph_cycles(costs):
     return {k: float(sum(getattr(c, k) for c in costs)) for k in keys}
 
 
-def _estimate(program, costs, target, in_bytes, out_bytes):
+def _estimate(program, costs, target):
     """Cycles of one call (all device iterations), split by kind."""
     di, ga, rf = program.device_iterations, program.accumulation, program.replicas
     total = {"compute": 0.0, "exchange": 0.0, "sync": 0.0, "host": 0.0}
@@ -71,7 +72,8 @@ def _estimate(program, costs, target, in_bytes, out_bytes):
             total["sync"] += di * 2 * (rf - 1) * 1000
         for k in upd:
             total[k] += upd[k] * di
-    host_s = 2 * target.host_latency_s * di + (in_bytes + out_bytes) / target.host_bytes_per_s
+    host_s = (2 * target.host_latency_s * di
+              + (program.in_bytes + program.out_bytes) / target.host_bytes_per_s)
     total["host"] = host_s * target.clock_hz
     total["total"] = sum(total.values())
     total["seconds"] = total["total"] / target.clock_hz
@@ -83,14 +85,15 @@ def _stages(show, desc):
                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}]")
 
 
-def _finish(program, capture, target, amp, variables, in_bytes, out_bytes, bar,
-            allow_oom):
+def _plan(program, target, amp, variables, allow_oom, bar=None):
+    """Costs per op, the memory report (checked) and the cycle estimate."""
     costs = {name: [op_cost(op, target, amp) for op in g.ops]
              for name, g in program.graphs.items()}
-    bar.set_description("Memory planning"); bar.update(1)
+    if bar is not None:
+        bar.set_description("Memory planning"); bar.update(1)
     memory = plan_memory(program, variables, target, costs)
     check_fits(memory, target, allow_oom)
-    cycles = _estimate(program, costs, target, in_bytes, out_bytes)
+    cycles = _estimate(program, costs, target)
     return costs, memory, cycles
 
 
@@ -126,21 +129,18 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
     program = Program("training", {"training_step": step_graph,
                                    "optimizer_update": update_graph},
                       Repeat(di, body, "device_iteration"), rf, di, ga)
-    program.grad_bytes = grad_bytes
+    program.grad_bytes, program.in_bytes, program.out_bytes = grad_bytes, in_bytes, out_bytes
 
     bar.set_description("Tile mapping"); bar.update(1)
     variables = {}
     cursor = map_graph(step_graph, target, 0, variables)
     map_graph(update_graph, target, cursor, variables)
-    costs, memory, cycles = _finish(program, capture, target, amp, variables, in_bytes,
-                                    out_bytes, bar, allow_oom)
+    costs, memory, cycles = _plan(program, target, amp, variables, allow_oom, bar)
     step_fn = compile_graph(step_graph)
     update_fn = compile_graph(update_graph)
     bar.update(1); bar.close()
-    compiled = Compiled(capture, program, target, memory, costs, cycles, step_fn, update_fn,
-                        kind, group_of, flags, time.perf_counter() - t0)
-    compiled.max_grad_norm = max_grad_norm(optimizer)
-    return compiled
+    return Compiled(capture, program, target, memory, costs, cycles, step_fn, update_fn,
+                    kind, group_of, flags, time.perf_counter() - t0, max_grad_norm(optimizer))
 
 
 def max_grad_norm(optimizer):
@@ -181,11 +181,8 @@ def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False):
     step = program.graphs["training_step"]
     cursor = map_graph(step, compiled.target, 0, variables)
     map_graph(graph, compiled.target, cursor, variables)
-    costs = {name: [op_cost(op, compiled.target, amp) for op in g.ops]
-             for name, g in program.graphs.items()}
-    memory = plan_memory(program, variables, compiled.target, costs)
-    check_fits(memory, compiled.target, allow_oom)
-    compiled.costs, compiled.memory = costs, memory
+    compiled.costs, compiled.memory, compiled.cycles = _plan(
+        program, compiled.target, amp, variables, allow_oom)
     compiled.update_fn = compile_graph(graph)
     compiled.optimizer_kind, compiled.group_of, compiled.flags = kind, group_of, flags
     compiled.max_grad_norm = max_grad_norm(optimizer)
@@ -218,12 +215,11 @@ def compile_inference(model, args, kwargs, *, di, rf, target, amp=0.6,
     body = Sequence([HostToDevice(in_bytes // di), Call(graph, rf),
                      DeviceToHost(out_bytes // max(di, 1), "per output mode")])
     program = Program("inference", {"inference_forward": graph},
-                      Repeat(di, body, "device_iteration"), rf, di, 1)
+                      Repeat(di, body, "device_iteration"), rf, di, 1, in_bytes, out_bytes)
     bar.set_description("Tile mapping"); bar.update(1)
     variables = {}
     map_graph(graph, target, 0, variables)
-    costs, memory, cycles = _finish(program, capture, target, amp, variables, in_bytes,
-                                    out_bytes, bar, allow_oom)
+    costs, memory, cycles = _plan(program, target, amp, variables, allow_oom, bar)
     fn = compile_graph(graph)
     bar.update(1); bar.close()
     return Compiled(capture, program, target, memory, costs, cycles, fn,
