@@ -322,8 +322,17 @@ class Options(_OptionsDict):
         return self.createOrSet(ipu_id=ipu_id)
 
     def useOfflineIpuTarget(self, ipu_version=2):
+        """Compile for ``ipu_version`` (1, 2 or 21) without running."""
         self.connectionType(enums.ConnectionType.Never)
+        self.useIpuModelVersion(f"ipu{ipu_version}")
         return self.createOrSet(ipu_version=ipu_version)
+
+    def useIpuModelVersion(self, version):
+        """The simulated IPU: "ipu1"/"mk1", "ipu2"/"mk2", "ipu21"/"bow" or "test"
+        (4 tiles).  Overrides POPTORCHSIM_IPU_MODEL_VERSION."""
+        from .machine.targets import target_named
+        target_named(version)
+        return self.createOrSet(ipu_model_version=str(version))
 
     def connectionType(self, connection_type):
         assert isinstance(connection_type, enums.ConnectionType), (
@@ -349,6 +358,16 @@ class Options(_OptionsDict):
         self._Popart.set("enableEngineCaching", path is not None)
         if path is not None:
             self._Popart.set("cachePath", str(path))
+        return self
+
+    def enableProfiling(self, profile_dir=None):
+        """Writes a simulation report (JSON, PNG plots, HTML) per model to
+        ``<profile_dir>/<modelName>/`` when the model compiles, as Poplar's
+        ``autoReport.all`` does."""
+        engine = dict(self._Popart.options.get("engineOptions", {}))
+        engine["autoReport.all"] = "true"
+        engine["autoReport.directory"] = str(profile_dir or ".")
+        self._Popart.setEngineOptions(engine)
         return self
 
     def setAvailableMemoryProportion(self, available_memory_proportion):

@@ -1,10 +1,18 @@
 """IPU targets: the figures the cost and memory models read.
 
-Sources: ../shared/reference/ipu-facts.md §1 (tiles, SRAM, clock, AMP rates,
-exchange, PCIe).  ``IPU-Test`` is a 4-tile IPU for fast tests.
+One row per target, from ../shared/reference/ipu-facts.md §1-2: tiles, SRAM
+per tile, clock, AMP multiply-accumulates per tile per cycle, the 64-bit
+vector path, six workers, 4 bytes per cycle of exchange per tile, IPU-Link
+and PCIe figures.  ``IPU-Test`` is a 4-tile Mk2 for fast tests, like
+PopTorch's small IPU Model.
+
+Selected as PopTorch selects its IPU Model: ``Options.useIpuModelVersion``
+(or ``useOfflineIpuTarget``), else the environment variables
+``POPTORCHSIM_IPU_MODEL_VERSION`` (ipu1, ipu2, ipu21, or mk1, mk2, bow, test)
+and ``POPTORCHSIM_SMALL_IPU_MODEL=1``; Mk2 by default.
 """
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..errors import Error
 
@@ -21,6 +29,8 @@ class Target:
     workers: int
     exchange_bytes_per_cycle: int   # bytes a tile receives per cycle
     sync_cycles: int            # one on-chip BSP sync
+    link_bytes_per_s: float     # one IPU-Link, one direction
+    links: int
     host_bytes_per_s: float     # PCIe, one direction, effective
     host_latency_s: float       # per host stream transfer
     grain_bytes: int = 64       # smallest piece of a tensor mapped to one tile
@@ -30,27 +40,40 @@ class Target:
     def total_bytes(self):
         return self.tiles * self.bytes_per_tile
 
+    def as_dict(self):
+        return asdict(self)
+
 
 MK2 = Target("Mk2", tiles=1472, bytes_per_tile=638_976, clock_hz=1.33e9,
              amp_macs_fp32=16, amp_macs_fp16=64, vector_bytes=8, workers=6,
              exchange_bytes_per_cycle=4, sync_cycles=150,
+             link_bytes_per_s=32e9, links=10,
              host_bytes_per_s=16e9, host_latency_s=5e-6)
 
-TEST_IPU = Target("IPU-Test", tiles=4, bytes_per_tile=638_976, clock_hz=1.33e9,
-                  amp_macs_fp32=16, amp_macs_fp16=64, vector_bytes=8, workers=6,
-                  exchange_bytes_per_cycle=4, sync_cycles=150,
-                  host_bytes_per_s=16e9, host_latency_s=5e-6,
-                  code_bytes_per_tile=8 * 1024)
+MK1 = replace(MK2, name="Mk1", tiles=1216, bytes_per_tile=262_144, clock_hz=1.6e9,
+              amp_macs_fp32=8, amp_macs_fp16=32,
+              link_bytes_per_s=128 / 8 * 1024 ** 3 * 0.85)
 
-TARGETS = {"mk2": MK2, "ipu2": MK2, "test": TEST_IPU}
+BOW = replace(MK2, name="Bow", clock_hz=1.85e9, link_bytes_per_s=64e9)
+
+TEST_IPU = replace(MK2, name="IPU-Test", tiles=4, code_bytes_per_tile=8 * 1024)
+
+TARGETS = {"mk1": MK1, "ipu1": MK1, "mk2": MK2, "ipu2": MK2, "bow": BOW, "ipu21": BOW,
+           "test": TEST_IPU, "small": TEST_IPU}
 
 
-def default_target():
-    """The target named by POPTORCHSIM_IPU_MODEL_VERSION, Mk2 by default."""
-    name = os.environ.get("POPTORCHSIM_IPU_MODEL_VERSION", "mk2").lower()
+def target_named(name):
+    key = str(name).lower()
+    if key not in TARGETS:
+        raise Error(f"Unknown IPU model version {name!r}; choose one of "
+                    f"ipu1/mk1, ipu2/mk2, ipu21/bow or test")
+    return TARGETS[key]
+
+
+def default_target(version=None):
+    """``version`` (from Options) or the environment's choice, Mk2 by default."""
+    if version is not None:
+        return target_named(version)
     if os.environ.get("POPTORCHSIM_SMALL_IPU_MODEL", "") not in ("", "0"):
-        name = "test"
-    if name not in TARGETS:
-        raise Error(f"Unknown IPU model version {name!r} in "
-                    f"POPTORCHSIM_IPU_MODEL_VERSION; choose one of {sorted(TARGETS)}")
-    return TARGETS[name]
+        return TEST_IPU
+    return target_named(os.environ.get("POPTORCHSIM_IPU_MODEL_VERSION", "ipu2"))

@@ -8,6 +8,7 @@ that makes them to their last use, plus each op's temporary operand buffers;
 graphs run one after another, so the program's peak is the largest graph
 peak.  All of it is arrays over tiles.
 """
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,9 +42,21 @@ class MemoryReport:
 
 def graph_liveness(graph, tiles, temps):
     """Peak not-always-live bytes per tile while ``graph`` runs."""
+    usage = _live_usage(graph, tiles, temps)
+    return usage.max(axis=0).astype(np.int64) if len(usage) else np.zeros(tiles, np.int64)
+
+
+def graph_liveness_profile(graph, tiles):
+    """Live (not-always-live) bytes summed over tiles after each op of ``graph``."""
+    usage = _live_usage(graph, tiles, 0)
+    return usage.sum(axis=1).astype(np.int64) if len(usage) else np.zeros(0, np.int64)
+
+
+def _live_usage(graph, tiles, temps):
+    """Bytes live on each tile at each op: an (ops x tiles) array."""
     n_ops = len(graph.ops)
     if n_ops == 0:
-        return np.zeros(tiles, dtype=np.int64)
+        return np.zeros((0, tiles))
     inputs = {t.id for t in graph.inputs}
     acts = [t for t in graph.tensors
             if t.id not in inputs and t.role not in ALWAYS_LIVE_ROLES and t.nbytes]
@@ -65,8 +78,7 @@ def graph_liveness(graph, tiles, temps):
     live = ((steps >= start[None, :]) & (steps <= end[None, :])).astype(np.float64)
     per_tensor = (np.stack([t.mapping.bytes_per_tile(tiles) for t in acts])
                   if acts else np.zeros((0, tiles)))
-    usage = live @ per_tensor + temps
-    return usage.max(axis=0).astype(np.int64)
+    return live @ per_tensor + temps
 
 
 def plan_memory(program, variables, target, costs):
@@ -99,16 +111,24 @@ def plan_memory(program, variables, target, costs):
 
 
 def check_fits(report, target, allow_out_of_memory=False):
+    """Raises Poplar's out-of-memory error, or with ``allow_out_of_memory``
+    (Poplar's ``debug.allowOutOfMemory``) logs it and lets compilation finish
+    so the report can show where memory runs out."""
     total = report.total
-    if allow_out_of_memory or total.max() <= report.capacity:
+    if total.max() <= report.capacity:
         return
     tile = int(np.argmax(total > report.capacity))
     largest = ", ".join(f"{name} ({nbytes} B)" for nbytes, name in report.largest_on(tile))
     over = int((total > report.capacity).sum())
-    raise OutOfMemoryError(
+    error = OutOfMemoryError(
         f"Out of memory on tile {tile}: {int(total[tile])} bytes used but tiles only "
         f"have {report.capacity} bytes of memory. {over} of {target.tiles} tiles of "
         f"the {target.name} IPU overflow (always-live {int(report.always_live[tile])} B, "
         f"not-always-live {int(report.not_always_live[tile])} B on tile {tile}). "
         f"Largest tensors there: {largest}. Reduce the micro-batch size or the model, "
         "or split the model over more IPUs.")
+    if not allow_out_of_memory:
+        raise error
+    logging.getLogger("poptorchsim").warning(
+        "%s (continuing: debug.allowOutOfMemory is set; the program would not load on "
+        "a real IPU)", error)

@@ -67,7 +67,7 @@ def _estimate(program, costs, target):
             total["sync"] += di * ga * target.sync_cycles
         if rf > 1:
             # ring all-reduce over IPU-Links (about 32 GB/s per link)
-            link_bytes_per_cycle = 32e9 / target.clock_hz
+            link_bytes_per_cycle = target.link_bytes_per_s / target.clock_hz
             total["exchange"] += di * 2 * (rf - 1) / rf * grad_bytes / link_bytes_per_cycle
             total["sync"] += di * 2 * (rf - 1) * 1000
         for k in upd:

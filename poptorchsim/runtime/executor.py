@@ -18,6 +18,7 @@ from ..errors import BatchDimensionError, Error, InputMismatchError
 from ..machine.engine import Engine, OutputCollector
 from ..machine.targets import default_target
 from . import compiler
+from .engine_options import allow_out_of_memory, profiling_directory
 
 logger = logging.getLogger("poptorchsim")
 
@@ -82,7 +83,7 @@ class PoplarExecutor:
         self._uploaded_version = -1
         self._destroyed = False
         self._input_template = None
-        self._target = default_target()
+        self._target = default_target(options._values.get("ipu_model_version"))
         mode = enums.OutputMode(options.output_mode)
         if mode == enums.OutputMode.Default:
             mode = enums.OutputMode.Final if training else enums.OutputMode.All
@@ -204,7 +205,7 @@ class PoplarExecutor:
             (args, kwargs))
         o = self._options
         amp = o.available_memory_proportion.get("IPU0", 0.6)
-        allow_oom = bool(o._Popart.options.get("allowOutOfMemory", False))
+        allow_oom = allow_out_of_memory(o)
         show = o.show_compilation_progress_bar
         out_bytes = self._output_bytes_fn(di, ga, rf)
         if self._training:
@@ -233,6 +234,11 @@ class PoplarExecutor:
                     "poptorch.Options.broadcastBuffers(False).")
         self._constant_outputs = _input_independent_outputs(compiled)
         self._compiled = compiled
+        directory = profiling_directory(o)
+        if directory is not None:
+            import os
+            from ..profiling import write_report
+            write_report(self.simulationReport(), os.path.join(directory, self._model_name()))
         self._engine = Engine(compiled.step_fn, compiled.update_fn)
         self._input_template = ([torch.empty(t.shape, dtype=t.dtype, device="meta")
                                  if isinstance(t, torch.Tensor) else t for t in leaves],
@@ -437,6 +443,19 @@ class PoplarExecutor:
         """Estimated cycles of one call, split compute/exchange/sync/host."""
         self._require_compiled()
         return dict(self._compiled.cycles)
+
+    def simulationReport(self):
+        """Memory per tile, cycles per call and per op, liveness: a JSON-ready dict."""
+        from .report import build_report
+        self._require_compiled()
+        di, ga, rf = self._factors()
+        micro = self._compiled.capture.example_inputs
+        batch = micro[0].shape[0] if micro and micro[0].dim() else 1
+        return build_report(self._compiled, self._model_name(), batch * di * ga * rf)
+
+    def _model_name(self):
+        return self._options._values.get("model_name",
+                                         "training" if self._training else "inference")
 
     def compilationTime(self):
         import datetime

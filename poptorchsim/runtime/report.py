@@ -1,0 +1,67 @@
+"""The simulation report: one plain dict (JSON-ready) per compiled model.
+
+``PoplarExecutor.simulationReport()`` returns it; ``profiling`` writes it to
+disk as JSON, PNG plots and an HTML page.  Arrays over tiles are lists.
+"""
+import numpy as np
+
+from ..passes.memory import graph_liveness_profile
+
+
+def _calls_per_call(program, graph_name):
+    """How many times one call of the model runs a graph (per replica)."""
+    di, ga = program.device_iterations, program.accumulation
+    if graph_name in ("training_step", "inference_forward"):
+        return di * ga
+    return di
+
+
+def build_report(compiled, name, samples_per_call):
+    program, target, memory = compiled.program, compiled.target, compiled.memory
+    total = memory.total
+    peak_tile = int(np.argmax(total))
+    ops = []
+    for gname, graph in program.graphs.items():
+        times = _calls_per_call(program, gname)
+        for op, cost in zip(graph.ops, compiled.costs[gname]):
+            out = next((t for t in op.outputs if t is not None), None)
+            ops.append({
+                "graph": gname, "name": op.name, "op": str(op.target),
+                "class": op.cost_class, "shape": list(out.shape) if out is not None else [],
+                "compute": cost.compute, "exchange": cost.exchange, "sync": cost.sync,
+                "cycles": cost.total, "calls_per_call": times,
+                "cycles_per_call": cost.total * times,
+                "macs": int(cost.macs), "flops": int(cost.flops),
+            })
+    ops.sort(key=lambda r: -r["cycles_per_call"])
+    cycles = dict(compiled.cycles)
+    seconds = cycles["seconds"]
+    liveness = {g: graph_liveness_profile(graph, target.tiles).tolist()
+                for g, graph in program.graphs.items()}
+    return {
+        "model": name,
+        "kind": program.kind,
+        "target": target.as_dict(),
+        "batching": {"device_iterations": program.device_iterations,
+                     "gradient_accumulation": program.accumulation,
+                     "replicas": program.replicas, "samples_per_call": samples_per_call},
+        "memory": {
+            "capacity": memory.capacity,
+            "always_live": memory.always_live.tolist(),
+            "not_always_live": memory.not_always_live.tolist(),
+            "total": total.tolist(),
+            "peak_tile": peak_tile,
+            "peak_bytes": int(total[peak_tile]),
+            "fits": bool(total.max() <= memory.capacity),
+            "tiles_over": int((total > memory.capacity).sum()),
+            "largest_on_peak_tile": [[n, b] for b, n in memory.largest_on(peak_tile, 10)],
+            "always_live_bytes": int(memory.always_live.sum()),
+        },
+        "cycles": {
+            "per_call": {k: cycles[k] for k in ("compute", "exchange", "sync", "host", "total")},
+            "seconds_per_call": seconds,
+            "samples_per_second": samples_per_call / seconds if seconds else 0.0,
+        },
+        "ops": ops,
+        "liveness": liveness,
+    }
