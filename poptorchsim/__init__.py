@@ -15,7 +15,7 @@ from .enums import *  # noqa: F401,F403 - PopTorch re-exports its enums
 from .errors import (BatchDimensionError, DataDependentError, Error, InputMismatchError,
                      LossError, OutOfMemoryError, RecoverableError, UnrecoverableError,
                      UnsupportedOperationError, createPoptorchError)
-from .ops import identity_loss, ipuHardwareIsAvailable, isRunningOnIpu
+from .ops import identity_loss, ipuHardwareIsAvailable, isRunningOnIpu, set_available_memory
 from .options import Options
 from .runtime.executor import PoplarExecutor
 

@@ -20,6 +20,19 @@ def identity_loss(x, reduction):
     return out
 
 
+def set_available_memory(tensor, available_memory_proportion):
+    """Identity that sets the available-memory proportion (default 0.6) of the
+    matmul or convolution producing ``tensor``: the share of each tile's memory
+    its planner may use for temporary operand buffers.  Lower values use less
+    memory and more cycles."""
+    proportion = float(available_memory_proportion)
+    if not 0.0 < proportion <= 1.0:
+        raise ValueError(f"available_memory_proportion must be in (0, 1], got {proportion}")
+    from .capture.annotations import annotate
+    annotate(tensor, "available_memory", proportion)
+    return tensor
+
+
 def isRunningOnIpu():
     """True only while poptorchsim traces a model for compilation."""
     from .capture import trace

@@ -56,6 +56,7 @@ class Op:
     outputs: list                    # Tensors (None where the op returns none)
     cost_class: str
     multi_output: bool = False
+    available_memory: Optional[float] = None   # set_available_memory on this op
 
     def input_tensors(self):
         found = []

@@ -78,6 +78,8 @@ def op_cost(op, target, amp=0.6):
     cost = OpCost(sync=sync)
 
     if cls in ("matmul", "conv"):
+        if op.available_memory is not None:
+            amp = op.available_memory
         return _plan_matmul(op, target, amp, outs, item, cost)
 
     if cls in ("elementwise", "transcendental", "random", "creation"):

@@ -84,7 +84,8 @@ def lower(gm, name, roles):
                 continue
             val = node.meta.get("val")
             op = Op(len(graph.ops), node.name, target, arg(tuple(node.args)),
-                    arg(dict(node.kwargs)), [], cls)
+                    arg(dict(node.kwargs)), [], cls,
+                    available_memory=node.meta.get("available_memory"))
             if isinstance(val, (tuple, list)):
                 op.multi_output = True
                 for i, v in enumerate(val):

@@ -1,0 +1,71 @@
+"""Reports a person reads: a compiled model's simulation report written out as
+``profile.json``, three PNG plots and one ``index.html`` page, and as text.
+
+The report itself (a JSON-ready dict) comes from
+``PoplarExecutor.simulationReport()``; this package only presents it.
+matplotlib is optional: without it the JSON and the page are still written,
+and the page says why it has no plots.
+"""
+import json
+import os
+
+from .page import render
+from .text import summary
+
+__all__ = ["write_report", "summary", "load_reports", "find_reports"]
+
+REPORT_FILE = "profile.json"
+
+
+def _jsonable(value):
+    """numpy scalars and arrays, should a report hold any."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def write_report(report, directory):
+    """Writes ``profile.json``, ``memory.png``, ``cycles_by_op.png``,
+    ``liveness.png`` and ``index.html`` into ``directory`` (created if need
+    be); returns {"json", "memory", "cycles_by_op", "liveness", "html"} ->
+    path of each file written (no PNG keys without matplotlib)."""
+    os.makedirs(directory, exist_ok=True)
+    written = {"json": os.path.join(directory, REPORT_FILE)}
+    with open(written["json"], "w") as f:
+        json.dump(report, f, default=_jsonable)
+
+    images, missing = {}, None
+    try:
+        from . import plots
+        import matplotlib  # noqa: F401 - probe only; plots import its parts lazily
+    except ImportError:
+        missing = "matplotlib is not installed (pip install matplotlib)."
+    else:
+        for key, (name, draw) in plots.PLOTS.items():
+            path = os.path.join(directory, name)
+            draw(report, path)
+            written[key], images[key] = path, name
+
+    written["html"] = os.path.join(directory, "index.html")
+    with open(written["html"], "w", encoding="utf-8") as f:
+        f.write(render(report, images, missing))
+    return written
+
+
+def find_reports(directory):
+    """Paths of every ``profile.json`` in ``directory`` and its subdirectories."""
+    found = []
+    for root, dirs, files in os.walk(directory):
+        dirs.sort()
+        if REPORT_FILE in files:
+            found.append(os.path.join(root, REPORT_FILE))
+    return found
+
+
+def load_reports(directory):
+    """The report dicts of every ``profile.json`` under ``directory``."""
+    reports = []
+    for path in find_reports(directory):
+        with open(path) as f:
+            reports.append(json.load(f))
+    return reports

@@ -19,6 +19,7 @@ from ..machine.engine import Engine, OutputCollector
 from ..machine.targets import default_target
 from . import compiler
 from .engine_options import allow_out_of_memory, profiling_directory
+from .perf import call_timeline, latency
 
 logger = logging.getLogger("poptorchsim")
 
@@ -82,6 +83,8 @@ class PoplarExecutor:
         self._state = _DeviceState()
         self._uploaded_version = -1
         self._destroyed = False
+        self._perf = None
+        self._sim_clock = 0.0
         self._input_template = None
         self._target = default_target(options._values.get("ipu_model_version"))
         mode = enums.OutputMode(options.output_mode)
@@ -457,6 +460,36 @@ class PoplarExecutor:
         return self._options._values.get("model_name",
                                          "training" if self._training else "inference")
 
+    def _record_perf(self, n_inputs, di, ga, rf):
+        c = self._compiled
+        program = c.program
+        self._perf, self._sim_clock = call_timeline(
+            c.cycles, c.target, di, ga, rf, n_inputs, c.capture.n_tensor_outputs,
+            program.in_bytes, program.out_bytes, self._output_mode.name,
+            self._options.output_return_period, self._sim_clock)
+
+    def getPerfCounters(self):
+        """Simulated timestamps (seconds) of the last call: per tensor, per step."""
+        if self._perf is None:
+            return {k: [[]] for k in ("input", "input_complete", "output", "output_complete")}
+        return {k: [list(v) for v in rows] for k, rows in self._perf.items()}
+
+    def getHostIpuLatency(self):
+        """(min, max, avg) seconds from input to input_complete."""
+        return latency(self.getPerfCounters(), "input", "input_complete")
+
+    def getComputeLatency(self):
+        """(min, max, avg) seconds from input_complete to output."""
+        return latency(self.getPerfCounters(), "input_complete", "output")
+
+    def getIpuHostLatency(self):
+        """(min, max, avg) seconds from output to output_complete."""
+        return latency(self.getPerfCounters(), "output", "output_complete")
+
+    def getLatency(self):
+        """(min, max, avg) seconds from input to output_complete."""
+        return latency(self.getPerfCounters(), "input", "output_complete")
+
     def compilationTime(self):
         import datetime
         if self._compiled is None:
@@ -487,6 +520,7 @@ class PoplarExecutor:
                   for t in leaves if isinstance(t, torch.Tensor)]
         mode = self._output_mode
         collector = OutputCollector(mode.name, self._options.output_return_period, di, ga, rf)
+        self._record_perf(len(inputs), di, ga, rf)
         if self._training:
             result = self._engine.run_training(self._state, inputs, collector, di, ga, rf)
             self._weights_to_host()

@@ -1,0 +1,154 @@
+"""The report's three PNG plots, drawn with matplotlib's Agg canvas.
+
+Figures are made with ``matplotlib.figure.Figure`` and an Agg canvas, never
+pyplot, so drawing a report leaves the user's own pyplot state and backend
+alone.  Per-tile data is drawn as one filled step outline per layer, never one
+bar per tile, so 1472 tiles draw as fast as 4.
+"""
+import numpy as np
+
+from .text import byte_unit, fmt_bytes, fit_line, op_label
+
+ALWAYS = "#4C72B0"
+NOT_ALWAYS = "#DD8452"
+OVER = "#C44E52"
+COMPUTE, EXCHANGE, SYNC = "#4C72B0", "#DD8452", "#8C8C8C"
+DPI = 100
+
+
+def _figure(width, height):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path):
+    fig.savefig(path, dpi=DPI)
+
+
+def _runs(mask):
+    """(start, length) of every run of True in ``mask``."""
+    padded = np.concatenate([[False], mask, [False]]).astype(np.int8)
+    edges = np.flatnonzero(np.diff(padded))
+    return list(zip(edges[0::2], edges[1::2] - edges[0::2]))
+
+
+def plot_memory(report, path):
+    mem, target = report["memory"], report["target"]
+    always = np.asarray(mem["always_live"], dtype=float)
+    total = np.asarray(mem["total"], dtype=float)
+    cap = float(mem["capacity"])
+    n = len(total)
+    unit, div = byte_unit(max(cap, total.max(initial=0)))
+    edges = np.arange(n + 1) - 0.5
+
+    fig = _figure(11, 4.6)
+    ax = fig.add_subplot()
+    over = total > cap
+    if over.any():
+        spans = [(s - 0.5, w) for s, w in _runs(over)]
+        ax.broken_barh(spans, (0, 1), transform=ax.get_xaxis_transform(), facecolor=OVER,
+                       alpha=0.12, edgecolor=OVER, linewidth=0.6, zorder=0,
+                       label=f"tiles over capacity ({int(over.sum())})")
+    def layer(lower, upper, **kw):
+        # one step polygon per layer; stairs() is ~10x slower on 1472 tiles
+        ax.fill_between(edges, np.append(lower, lower[-1:]) / div,
+                        np.append(upper, upper[-1:]) / div, step="post", linewidth=0, **kw)
+
+    layer(np.zeros(n), always, color=ALWAYS, label="always-live", zorder=2)
+    layer(always, total, color=NOT_ALWAYS, label="not-always-live (peak)", zorder=2)
+    if over.any():
+        layer(np.full(n, cap), np.maximum(total, cap), color=OVER, label="over capacity",
+              zorder=3)
+    ax.axhline(cap / div, color="black", linestyle="--", linewidth=1.2, zorder=4,
+               label=f"capacity {fmt_bytes(cap)}")
+    peak = mem["peak_tile"]
+    ax.plot([peak], [total[peak] / div], marker="v", color="black", markersize=7,
+            linestyle="none", zorder=5)
+    ax.annotate(f"peak: tile {peak}, {fmt_bytes(total[peak])} "
+                f"({100 * total[peak] / cap:.1f}% of capacity)",
+                (peak, total[peak] / div), xytext=(0, 9), textcoords="offset points",
+                ha="left" if peak < n / 2 else "right", fontsize=9, zorder=5)
+    ax.set_xlim(-0.5, n - 0.5)
+    ax.set_ylim(0, max(cap, total.max(initial=0)) / div * 1.12)
+    if n <= 32:
+        ax.set_xticks(range(n))
+    ax.set_xlabel("tile")
+    ax.set_ylabel(f"memory ({unit})")
+    ax.set_title(f"Memory per tile: '{report['model']}' on {target['name']} "
+                 f"({n} tiles), {fit_line(report)}")
+    ax.legend(loc="upper right", fontsize=8, framealpha=0.9, ncol=2)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_cycles_by_op(report, path, top=20):
+    ops = report["ops"][:top]
+    total_call = report["cycles"]["per_call"]["total"] or 1.0
+    fig = _figure(11, 1.4 + 0.3 * max(len(ops), 3))
+    ax = fig.add_subplot()
+    if not ops:
+        ax.text(0.5, 0.5, "no ops", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        _save(fig, path)
+        return
+    y = np.arange(len(ops))
+    parts = {k: np.array([op[k] * op["calls_per_call"] for op in ops], dtype=float)
+             for k in ("compute", "exchange", "sync")}
+    left = np.zeros(len(ops))
+    for key, color in (("compute", COMPUTE), ("exchange", EXCHANGE), ("sync", SYNC)):
+        ax.barh(y, parts[key], left=left, color=color, label=key, height=0.7)
+        left += parts[key]
+    for yi, op, width in zip(y, ops, left):
+        ax.text(width, yi, f" {100 * op['cycles_per_call'] / total_call:.1f}%",
+                va="center", fontsize=8)
+    labels = [f"{op_label(op)}  [{op['class']}]  {'x'.join(map(str, op['shape']))}"
+              for op in ops]
+    ax.set_yticks(y)
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, left.max() * 1.1)
+    ax.set_xlabel("cycles per call (all runs of the op in one call of the model)")
+    ax.set_title(f"Costliest {len(ops)} of {len(report['ops'])} ops; "
+                 "% = share of the call's cycles")
+    ax.ticklabel_format(axis="x", style="sci", scilimits=(-3, 4))
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_liveness(report, path):
+    live = {g: np.asarray(v, dtype=float) for g, v in report["liveness"].items() if len(v)}
+    fig = _figure(11, 4.2)
+    ax = fig.add_subplot()
+    largest = max((v.max() for v in live.values()), default=0.0)
+    unit, div = byte_unit(largest)
+    for graph, values in live.items():
+        line, = ax.plot(np.arange(len(values)), values / div, drawstyle="steps-post",
+                        linewidth=1.6, label=f"{graph} ({len(values)} ops)")
+        k = int(np.argmax(values))
+        ax.plot([k], [values[k] / div], marker="o", color=line.get_color())
+        ax.annotate(f"peak {fmt_bytes(values[k])} at op {k}", (k, values[k] / div),
+                    xytext=(4, 4), textcoords="offset points", fontsize=8,
+                    color=line.get_color())
+    if not live:
+        ax.text(0.5, 0.5, "no ops", ha="center", va="center", transform=ax.transAxes)
+    ax.set_ylim(0, largest / div * 1.15 if largest else 1)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("op index in the graph (program order)")
+    ax.set_ylabel(f"live bytes, all tiles ({unit})")
+    ax.set_title("Not-always-live memory over the program (summed over tiles)")
+    if live:
+        ax.legend(loc="upper right", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+PLOTS = {"memory": ("memory.png", plot_memory),
+         "cycles_by_op": ("cycles_by_op.png", plot_cycles_by_op),
+         "liveness": ("liveness.png", plot_liveness)}

@@ -1,0 +1,86 @@
+"""A simulation report as short text, and the number formats the page shares."""
+import numpy as np
+
+UNITS = (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024), ("B", 1))
+
+
+def byte_unit(largest):
+    """The (name, divisor) that shows bytes up to ``largest`` best."""
+    for name, size in UNITS:
+        if largest >= size:
+            return name, size
+    return "B", 1
+
+
+def fmt_bytes(n):
+    name, size = byte_unit(abs(n))
+    if size == 1:
+        return f"{int(n)} B"
+    x = n / size
+    return f"{x:.0f} {name}" if x >= 100 else f"{x:.1f} {name}" if x >= 10 else f"{x:.2f} {name}"
+
+
+def fmt_seconds(s):
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} µs"
+
+
+def fmt_count(x):
+    return f"{x:,.0f}"
+
+
+def fullest_tiles(report, n=5):
+    """The ``n`` tiles holding the most bytes, fullest first: (tile, bytes)."""
+    total = np.asarray(report["memory"]["total"])
+    order = np.argsort(-total, kind="stable")[:n]
+    return [(int(t), int(total[t])) for t in order]
+
+
+def fit_line(report):
+    mem, target = report["memory"], report["target"]
+    if mem["fits"]:
+        return "fits"
+    return f"DOES NOT FIT: {mem['tiles_over']} of {target['tiles']} tiles over capacity"
+
+
+def op_label(op):
+    return f"{op['graph']}/{op['name']}"
+
+
+def summary(report, top=5):
+    """A few readable lines: model, target, memory, the costliest ops, throughput."""
+    mem, cyc, target = report["memory"], report["cycles"], report["target"]
+    cap = mem["capacity"]
+    batching = report.get("batching", {})
+    lines = [
+        f"Model '{report['model']}' ({report['kind']}) on {target['name']}: "
+        f"{target['tiles']} tiles x {fmt_bytes(target['bytes_per_tile'])}, "
+        f"{target['clock_hz'] / 1e9:.2f} GHz",
+        f"Memory: {fit_line(report)}; peak tile {mem['peak_tile']} holds "
+        f"{fmt_bytes(mem['peak_bytes'])} of {fmt_bytes(cap)} "
+        f"({100 * mem['peak_bytes'] / cap:.1f}%)",
+        f"  fullest {min(top, target['tiles'])} tiles:",
+    ]
+    for tile, nbytes in fullest_tiles(report, top):
+        lines.append(f"    tile {tile:>5}  {fmt_bytes(nbytes):>10}  {100 * nbytes / cap:6.1f}%")
+    per_call = cyc["per_call"]
+    total = per_call["total"] or 1.0
+    split = ", ".join(f"{k} {100 * per_call[k] / total:.0f}%"
+                      for k in ("compute", "exchange", "sync", "host"))
+    lines.append(f"Cycles per call: {fmt_count(per_call['total'])} ({split})")
+    ops = report["ops"][:top]
+    if ops:
+        lines.append(f"  costliest {len(ops)} ops (cycles per call, share of the call):")
+        width = max(len(op_label(op)) for op in ops)
+        for op in ops:
+            lines.append(f"    {op_label(op):<{width}}  {op['class']:<11} "
+                         f"{fmt_count(op['cycles_per_call']):>13}  "
+                         f"{100 * op['cycles_per_call'] / total:5.1f}%")
+    samples = batching.get("samples_per_call")
+    of = f" of {samples} samples" if samples else ""
+    lines.append(f"Estimated {fmt_seconds(cyc['seconds_per_call'])} per call{of}: "
+                 f"{fmt_count(cyc['samples_per_second'])} samples/s")
+    return "\n".join(lines)
