@@ -360,6 +360,11 @@ class Options(_OptionsDict):
             self._Popart.set("cachePath", str(path))
         return self
 
+    def enableSyntheticData(self, enabled):
+        """No host IO: inputs stay on the device, so estimates leave out the
+        host streams (PopTorch's synthetic data mode)."""
+        return self.createOrSet(synthetic_data=bool(enabled))
+
     def enableProfiling(self, profile_dir=None):
         """Writes a simulation report (JSON, PNG plots, HTML) per model to
         ``<profile_dir>/<modelName>/`` when the model compiles, as Poplar's

@@ -150,6 +150,7 @@ class Program:
     in_bytes: int = 0                 # streamed host -> device per call
     out_bytes: int = 0                # streamed device -> host per call
     grad_bytes: int = 0               # gradients reduced per weight update
+    synthetic_data: bool = False      # no host streams (Options.enableSyntheticData)
 
     def __str__(self):
         from .printer import format_program

@@ -41,6 +41,32 @@ def _itemsize(t):
     return t.nbytes // max(t.numel, 1)
 
 
+def _ceil_to(x, m):
+    return -(-x // m) * m
+
+
+def _channels(op):
+    """(reduction channels, output channels) the AMP units see for ``op``.
+
+    AMP units take input channels in groups of 8 (fp32) and produce output
+    channels in groups of 16: a convolution with 1 input or 5 output channels
+    leaves most of each unit idle."""
+    name = op.target.overloadpacket.__name__
+    if name == "convolution":
+        w = op.args[1]
+        return w.shape[1], w.shape[0]
+    if name == "convolution_backward":
+        w = op.args[2]
+        # grad-input swaps the roles of the channels; grad-weight reduces over
+        # batch x positions, which fill the units whatever the channels
+        if op.outputs[0] is not None:
+            return w.shape[0], w.shape[1]
+        return 1 << 30, w.shape[0]
+    a = op.args[1] if name in ("addmm", "baddbmm", "addmv") else op.args[0]
+    out = op.outputs[0]
+    return a.shape[-1], (out.shape[-1] if out.shape else 1)
+
+
 def _macs(op):
     """(MACs, reduction length per output element) of matmul/conv ops."""
     name = op.target.overloadpacket.__name__
@@ -118,6 +144,8 @@ def op_cost(op, target, amp=0.6):
     return cost
 
 
+AMP_IN_GROUP = 8                # input channels an AMP unit takes at once (fp32)
+AMP_OUT_GROUP = 16              # output channels produced together
 MIN_MACS_PER_TILE = 1024        # below this a tile's vertex overhead dominates
 OUTPUT_GRAIN = 16               # output elements kept together on one tile
 
@@ -134,7 +162,11 @@ def _plan_matmul(op, target, amp, outs, item, cost):
     """
     tiles = target.tiles
     macs, _ = _macs(op)
-    rate = target.amp_macs_fp16 if item == 2 else target.amp_macs_fp32
+    k_ch, o_ch = _channels(op)
+    fill = (min(k_ch, AMP_IN_GROUP) / _ceil_to(min(k_ch, AMP_IN_GROUP), AMP_IN_GROUP)
+            * o_ch / _ceil_to(o_ch, AMP_OUT_GROUP))
+    amp_rate = target.amp_macs_fp16 if item == 2 else target.amp_macs_fp32
+    rate = max(target.vector_bytes / item, amp_rate * fill)   # vector MACs as a floor
     out_elems = sum(t.numel for t in outs)
     p = int(max(1, min(tiles, macs // MIN_MACS_PER_TILE)))
     p_out = int(max(1, min(p, -(-out_elems // OUTPUT_GRAIN))))

@@ -17,6 +17,12 @@ from dataclasses import asdict, dataclass, replace
 from ..errors import Error
 
 
+# Calibrated against published throughput (benchmarks/fidelity.py): the host
+# side of one model call (launching the engine run, syncing with the host and
+# the framework's own Python) costs about half a millisecond.
+CALL_OVERHEAD_S = 5e-4
+
+
 @dataclass(frozen=True)
 class Target:
     name: str
@@ -33,6 +39,7 @@ class Target:
     links: int
     host_bytes_per_s: float     # PCIe, one direction, effective
     host_latency_s: float       # per host stream transfer
+    call_overhead_s: float = 0.0    # host-side launch and sync of one model call
     grain_bytes: int = 64       # smallest piece of a tensor mapped to one tile
     code_bytes_per_tile: int = 24 * 1024   # control code and runtime, always live
 
@@ -48,7 +55,7 @@ MK2 = Target("Mk2", tiles=1472, bytes_per_tile=638_976, clock_hz=1.33e9,
              amp_macs_fp32=16, amp_macs_fp16=64, vector_bytes=8, workers=6,
              exchange_bytes_per_cycle=4, sync_cycles=150,
              link_bytes_per_s=32e9, links=10,
-             host_bytes_per_s=16e9, host_latency_s=5e-6)
+             host_bytes_per_s=16e9, host_latency_s=5e-6, call_overhead_s=CALL_OVERHEAD_S)
 
 MK1 = replace(MK2, name="Mk1", tiles=1216, bytes_per_tile=262_144, clock_hz=1.6e9,
               amp_macs_fp32=8, amp_macs_fp16=32,

@@ -24,8 +24,27 @@ def _figure(width, height):
     return fig
 
 
+def _margins(fig, left=0.75, right=0.25, top=0.45, bottom=0.55, hspace=0.45):
+    """Fixed margins in inches: a cheaper layout than tight_layout for plots
+    whose labels do not change width."""
+    w, h = fig.get_size_inches()
+    fig.subplots_adjust(left=left / w, right=1 - right / w, top=1 - top / h,
+                        bottom=bottom / h, hspace=hspace / h * 2)
+
+
 def _save(fig, path):
-    fig.savefig(path, dpi=DPI)
+    fig.savefig(path, dpi=DPI, pil_kwargs={"compress_level": 3})
+
+
+def _count_formatter():
+    from matplotlib.ticker import FuncFormatter
+
+    def fmt(x, _pos):
+        for suffix, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+            if abs(x) >= size:
+                return f"{x / size:g}{suffix}"
+        return f"{x:g}"
+    return FuncFormatter(fmt)
 
 
 def _runs(mask):
@@ -35,53 +54,73 @@ def _runs(mask):
     return list(zip(edges[0::2], edges[1::2] - edges[0::2]))
 
 
-def plot_memory(report, path):
+def plot_memory(report, path, zoom_below=0.4):
+    """Always-live and not-always-live bytes per tile, stacked, against the
+    tile's capacity; tiles over it shaded red.  When the fullest tile uses
+    less than ``zoom_below`` of capacity a second panel zooms in on the data."""
     mem, target = report["memory"], report["target"]
     always = np.asarray(mem["always_live"], dtype=float)
     total = np.asarray(mem["total"], dtype=float)
     cap = float(mem["capacity"])
     n = len(total)
-    unit, div = byte_unit(max(cap, total.max(initial=0)))
-    edges = np.arange(n + 1) - 0.5
-
-    fig = _figure(11, 4.6)
-    ax = fig.add_subplot()
-    over = total > cap
-    if over.any():
-        spans = [(s - 0.5, w) for s, w in _runs(over)]
-        ax.broken_barh(spans, (0, 1), transform=ax.get_xaxis_transform(), facecolor=OVER,
-                       alpha=0.12, edgecolor=OVER, linewidth=0.6, zorder=0,
-                       label=f"tiles over capacity ({int(over.sum())})")
-    def layer(lower, upper, **kw):
-        # one step polygon per layer; stairs() is ~10x slower on 1472 tiles
-        ax.fill_between(edges, np.append(lower, lower[-1:]) / div,
-                        np.append(upper, upper[-1:]) / div, step="post", linewidth=0, **kw)
-
-    layer(np.zeros(n), always, color=ALWAYS, label="always-live", zorder=2)
-    layer(always, total, color=NOT_ALWAYS, label="not-always-live (peak)", zorder=2)
-    if over.any():
-        layer(np.full(n, cap), np.maximum(total, cap), color=OVER, label="over capacity",
-              zorder=3)
-    ax.axhline(cap / div, color="black", linestyle="--", linewidth=1.2, zorder=4,
-               label=f"capacity {fmt_bytes(cap)}")
     peak = mem["peak_tile"]
-    ax.plot([peak], [total[peak] / div], marker="v", color="black", markersize=7,
-            linestyle="none", zorder=5)
-    ax.annotate(f"peak: tile {peak}, {fmt_bytes(total[peak])} "
-                f"({100 * total[peak] / cap:.1f}% of capacity)",
-                (peak, total[peak] / div), xytext=(0, 9), textcoords="offset points",
-                ha="left" if peak < n / 2 else "right", fontsize=9, zorder=5)
+    top = total.max(initial=0)
+    zoom = 0 < top < zoom_below * cap
+    unit, div = byte_unit(max(cap, top))
+    edges = np.arange(n + 1) - 0.5
+    over = total > cap
+
+    fig = _figure(11, 7.2 if zoom else 4.6)
+    axes = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1, 1.2]}) \
+        if zoom else [fig.add_subplot()]
+
+    for i, ax in enumerate(axes):
+        def layer(lower, upper, **kw):
+            # one step polygon per layer; stairs() is ~10x slower on 1472 tiles
+            ax.fill_between(edges, np.append(lower, lower[-1:]) / div,
+                            np.append(upper, upper[-1:]) / div, step="post", linewidth=0,
+                            **kw)
+
+        if over.any():
+            # at least ~0.4% of the axis wide, so a lone tile over capacity shows
+            least = max(1.0, n / 250)
+            spans = [(s - 0.5 - max(0, least - w) / 2, max(w, least)) for s, w in _runs(over)]
+            ax.broken_barh(spans, (0, 1), transform=ax.get_xaxis_transform(),
+                           facecolor=OVER, alpha=0.12, edgecolor=OVER, linewidth=0.6,
+                           zorder=0, label=f"tiles over capacity ({int(over.sum())})")
+        layer(np.zeros(n), always, color=ALWAYS, label="always-live", zorder=2)
+        layer(always, total, color=NOT_ALWAYS, label="not-always-live (peak)", zorder=2)
+        if over.any():
+            layer(np.full(n, cap), np.maximum(total, cap), facecolor="none",
+                  edgecolor=OVER, hatch="////", label="over capacity", zorder=3)
+        ax.axhline(cap / div, color="black", linestyle="--", linewidth=1.2, zorder=4,
+                   label=f"capacity {fmt_bytes(cap)}")
+        ax.plot([peak], [total[peak] / div], marker="v", color="black", markersize=7,
+                linestyle="none", zorder=5)
+        ax.annotate(f"peak: tile {peak}, {fmt_bytes(total[peak])} "
+                    f"({100 * total[peak] / cap:.1f}% of capacity)",
+                    (peak, total[peak] / div), xytext=(0, 9), textcoords="offset points",
+                    ha="left" if peak < n / 2 else "right", fontsize=9, zorder=5)
+        ax.set_ylim(0, (top * 1.25 if i else max(cap, top) * 1.15) / div)
+        ax.set_ylabel(f"memory ({unit})")
+        ax.grid(axis="y", alpha=0.3)
+        pct = ax.secondary_yaxis("right", functions=(lambda v: v * div * 100 / cap,
+                                                     lambda p: p * cap / 100 / div))
+        pct.set_ylabel("% of capacity")
+        if i:
+            ax.set_title("zoomed to the data", fontsize=10)
+
+    ax = axes[0]
     ax.set_xlim(-0.5, n - 0.5)
-    ax.set_ylim(0, max(cap, total.max(initial=0)) / div * 1.12)
     if n <= 32:
-        ax.set_xticks(range(n))
-    ax.set_xlabel("tile")
-    ax.set_ylabel(f"memory ({unit})")
+        axes[-1].set_xticks(range(n))
+    axes[-1].set_xlabel("tile")
     ax.set_title(f"Memory per tile: '{report['model']}' on {target['name']} "
                  f"({n} tiles), {fit_line(report)}")
-    ax.legend(loc="upper right", fontsize=8, framealpha=0.9, ncol=2)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
+    handles, labels = ax.get_legend_handles_labels()
+    axes[-1].legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13),
+                    ncol=len(labels), fontsize=8, frameon=False)
+    _margins(fig, right=0.8, bottom=0.95)
     _save(fig, path)
 
 
@@ -114,7 +153,7 @@ def plot_cycles_by_op(report, path, top=20):
     ax.set_xlabel("cycles per call (all runs of the op in one call of the model)")
     ax.set_title(f"Costliest {len(ops)} of {len(report['ops'])} ops; "
                  "% = share of the call's cycles")
-    ax.ticklabel_format(axis="x", style="sci", scilimits=(-3, 4))
+    ax.xaxis.set_major_formatter(_count_formatter())
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
@@ -128,7 +167,9 @@ def plot_liveness(report, path):
     largest = max((v.max() for v in live.values()), default=0.0)
     unit, div = byte_unit(largest)
     for graph, values in live.items():
-        line, = ax.plot(np.arange(len(values)), values / div, drawstyle="steps-post",
+        # op k holds its live bytes from x = k to k + 1
+        line, = ax.plot(np.arange(len(values) + 1), np.append(values, values[-1]) / div,
+                        drawstyle="steps-post",
                         linewidth=1.6, label=f"{graph} ({len(values)} ops)")
         k = int(np.argmax(values))
         ax.plot([k], [values[k] / div], marker="o", color=line.get_color())
@@ -137,15 +178,15 @@ def plot_liveness(report, path):
                     color=line.get_color())
     if not live:
         ax.text(0.5, 0.5, "no ops", ha="center", va="center", transform=ax.transAxes)
-    ax.set_ylim(0, largest / div * 1.15 if largest else 1)
+    ax.set_ylim(0, largest / div * 1.3 if largest else 1)
     ax.set_xlim(left=0)
     ax.set_xlabel("op index in the graph (program order)")
     ax.set_ylabel(f"live bytes, all tiles ({unit})")
     ax.set_title("Not-always-live memory over the program (summed over tiles)")
     if live:
-        ax.legend(loc="upper right", fontsize=8)
+        ax.legend(loc="upper left", fontsize=8, ncol=len(live))
     ax.grid(alpha=0.3)
-    fig.tight_layout()
+    _margins(fig)
     _save(fig, path)
 
 

@@ -72,8 +72,10 @@ def _estimate(program, costs, target):
             total["sync"] += di * 2 * (rf - 1) * 1000
         for k in upd:
             total[k] += upd[k] * di
-    host_s = (2 * target.host_latency_s * di
-              + (program.in_bytes + program.out_bytes) / target.host_bytes_per_s)
+    host_s = target.call_overhead_s
+    if not program.synthetic_data:
+        host_s += (2 * target.host_latency_s * di
+                   + (program.in_bytes + program.out_bytes) / target.host_bytes_per_s)
     total["host"] = host_s * target.clock_hz
     total["total"] = sum(total.values())
     total["seconds"] = total["total"] / target.clock_hz
@@ -98,7 +100,8 @@ def _plan(program, target, amp, variables, allow_oom, bar=None):
 
 
 def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
-                     amp=0.6, show_progress=True, allow_oom=False, out_bytes_fn=None):
+                     amp=0.6, show_progress=True, allow_oom=False, out_bytes_fn=None,
+                     synthetic=False):
     t0 = time.perf_counter()
     bar = _stages(show_progress, "Graph compilation")
     kind = opt_rules.optimizer_kind(optimizer)
@@ -130,6 +133,7 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
                                    "optimizer_update": update_graph},
                       Repeat(di, body, "device_iteration"), rf, di, ga)
     program.grad_bytes, program.in_bytes, program.out_bytes = grad_bytes, in_bytes, out_bytes
+    program.synthetic_data = synthetic
 
     bar.set_description("Tile mapping"); bar.update(1)
     variables = {}
@@ -200,7 +204,8 @@ def _replace_call(step, graph):
 
 
 def compile_inference(model, args, kwargs, *, di, rf, target, amp=0.6,
-                      show_progress=True, allow_oom=False, out_bytes_fn=None):
+                      show_progress=True, allow_oom=False, out_bytes_fn=None,
+                      synthetic=False):
     t0 = time.perf_counter()
     bar = _stages(show_progress, "Graph compilation")
     bar.set_description("Tracing"); bar.update(1)
@@ -215,7 +220,8 @@ def compile_inference(model, args, kwargs, *, di, rf, target, amp=0.6,
     body = Sequence([HostToDevice(in_bytes // di), Call(graph, rf),
                      DeviceToHost(out_bytes // max(di, 1), "per output mode")])
     program = Program("inference", {"inference_forward": graph},
-                      Repeat(di, body, "device_iteration"), rf, di, 1, in_bytes, out_bytes)
+                      Repeat(di, body, "device_iteration"), rf, di, 1, in_bytes, out_bytes,
+                      synthetic_data=synthetic)
     bar.set_description("Tile mapping"); bar.update(1)
     variables = {}
     map_graph(graph, target, 0, variables)

@@ -211,15 +211,17 @@ class PoplarExecutor:
         allow_oom = allow_out_of_memory(o)
         show = o.show_compilation_progress_bar
         out_bytes = self._output_bytes_fn(di, ga, rf)
+        synthetic = bool(o._values.get("synthetic_data", False))
         if self._training:
             compiled = compiler.compile_training(
                 self._user_model, self._optimizer, micro[0], micro[1], di=di, ga=ga, rf=rf,
                 target=self._target, amp=amp, show_progress=show, allow_oom=allow_oom,
-                out_bytes_fn=out_bytes)
+                out_bytes_fn=out_bytes, synthetic=synthetic)
         else:
             compiled = compiler.compile_inference(
                 self._user_model, micro[0], micro[1], di=di, rf=rf, target=self._target,
-                amp=amp, show_progress=show, allow_oom=allow_oom, out_bytes_fn=out_bytes)
+                amp=amp, show_progress=show, allow_oom=allow_oom, out_bytes_fn=out_bytes,
+                synthetic=synthetic)
         if self._training and rf > 1 and o.broadcast_buffers:
             step = compiled.program.graphs["training_step"]
             names = compiled.capture.buffer_names
@@ -463,6 +465,9 @@ class PoplarExecutor:
     def _record_perf(self, n_inputs, di, ga, rf):
         c = self._compiled
         program = c.program
+        if program.synthetic_data:        # no host IO, no perf counters (PopTorch)
+            self._perf = None
+            return
         self._perf, self._sim_clock = call_timeline(
             c.cycles, c.target, di, ga, rf, n_inputs, c.capture.n_tensor_outputs,
             program.in_bytes, program.out_bytes, self._output_mode.name,
