@@ -21,6 +21,26 @@ from dataclasses import dataclass
 import numpy as np
 
 VERTEX_OVERHEAD = 40            # cycles to start a compute set's vertices
+# A worker spends about three issue slots (load, operate, store) per 64-bit
+# vector and the six workers share the tile's issue slots, so element-wise
+# code moves vector_bytes / 3 bytes per tile per cycle (popops' estimators
+# give 2-4 cycles per vector per worker).
+CYCLES_PER_VECTOR = 3
+# Exchange rarely streams at the 4 B/cycle peak: scattered regions, receive
+# buffers and code make half of it a fair average.
+EXCHANGE_EFFICIENCY = 0.5
+# Compute sets beyond the main one: operand rearrangement before, and
+# reduction/cast after, a convolution or matmul (each costs a sync).
+EXTRA_SUPERSTEPS = {"convolution": 2, "convolution_backward": 3}
+DEFAULT_EXTRA_SUPERSTEPS = 1
+
+
+def _vector_rate(target):
+    return target.vector_bytes / CYCLES_PER_VECTOR
+
+
+def _exchange_cycles(nbytes, target):
+    return nbytes / (target.exchange_bytes_per_cycle * EXCHANGE_EFFICIENCY)
 
 
 @dataclass
@@ -109,7 +129,7 @@ def op_cost(op, target, amp=0.6):
         return _plan_matmul(op, target, amp, outs, item, cost)
 
     if cls in ("elementwise", "transcendental", "random", "creation"):
-        per_cycle = target.vector_bytes * {"transcendental": 0.25, "random": 0.5,
+        per_cycle = _vector_rate(target) * {"transcendental": 0.25, "random": 0.5,
                                            "creation": 2.0}.get(cls, 1.0)
         cost.compute = out_max / per_cycle + VERTEX_OVERHEAD
         cost.flops = sum(t.numel for t in outs)
@@ -122,7 +142,7 @@ def op_cost(op, target, amp=0.6):
                 moved += out_max
             elif m is not None and t.nbytes < outs[0].nbytes:
                 moved += min(t.nbytes, out_max)           # broadcast operand
-        cost.exchange = moved / target.exchange_bytes_per_cycle
+        cost.exchange = _exchange_cycles(moved, target)
         return cost
 
     ins = op.input_tensors()
@@ -130,17 +150,17 @@ def op_cost(op, target, amp=0.6):
     spread_in = float(max((t.mapping.max_bytes() for t in ins), default=0))
     if cls in ("reduction", "softmax", "loss", "norm", "pool"):
         passes = {"reduction": 1, "pool": 1, "softmax": 3, "loss": 3, "norm": 4}[cls]
-        cost.compute = passes * spread_in / target.vector_bytes + 2 * VERTEX_OVERHEAD
+        cost.compute = passes * spread_in / _vector_rate(target) + 2 * VERTEX_OVERHEAD
         partials = min(in_bytes, tiles * item * max(1, sum(t.numel for t in outs) // tiles + 1))
-        cost.exchange = (partials / max(1, outs[0].mapping.n_tiles)
-                         + out_max) / target.exchange_bytes_per_cycle
+        cost.exchange = _exchange_cycles(partials / max(1, outs[0].mapping.n_tiles)
+                                         + out_max, target)
         cost.sync = 2 * sync
         cost.flops = passes * sum(t.numel for t in ins)
         return cost
 
     # copies and rearrangements: data moves over the exchange
-    cost.exchange = out_max / target.exchange_bytes_per_cycle
-    cost.compute = out_max / target.vector_bytes + VERTEX_OVERHEAD
+    cost.exchange = _exchange_cycles(out_max, target)
+    cost.compute = out_max / _vector_rate(target) + VERTEX_OVERHEAD
     return cost
 
 
@@ -154,10 +174,11 @@ def _plan_matmul(op, target, amp, outs, item, cost):
     """Matmul/convolution spread over P tiles, splitting output and reduction.
 
     P = as many tiles as keep each above ``MIN_MACS_PER_TILE``.  The output is
-    split over ``p_out`` tiles and the reduction over ``r = P // p_out``; each
-    tile receives its slices of both operands (a 2-D split: about
-    operand bytes / sqrt(P)), and with ``r > 1`` partial sums are exchanged and
-    added in a second superstep.  Operand buffers larger than the
+    split over ``p_out`` tiles and the reduction over ``r = P // p_out``.  The
+    largest operand is stationary (allocated in the matmul's layout); each tile
+    receives its slices of the others (a 2-D split: about their bytes /
+    sqrt(P)), and with ``r > 1`` partial sums are exchanged and added in a
+    second superstep.  Operand buffers larger than the
     available-memory proportion of a tile are processed in serial chunks.
     """
     tiles = target.tiles
@@ -166,23 +187,26 @@ def _plan_matmul(op, target, amp, outs, item, cost):
     fill = (min(k_ch, AMP_IN_GROUP) / _ceil_to(min(k_ch, AMP_IN_GROUP), AMP_IN_GROUP)
             * o_ch / _ceil_to(o_ch, AMP_OUT_GROUP))
     amp_rate = target.amp_macs_fp16 if item == 2 else target.amp_macs_fp32
-    rate = max(target.vector_bytes / item, amp_rate * fill)   # vector MACs as a floor
+    rate = max(_vector_rate(target) / item, amp_rate * fill)   # vector MACs as a floor
     out_elems = sum(t.numel for t in outs)
     p = int(max(1, min(tiles, macs // MIN_MACS_PER_TILE)))
     p_out = int(max(1, min(p, -(-out_elems // OUTPUT_GRAIN))))
     r = max(1, p // p_out)
-    in_bytes = float(sum(t.nbytes for t in op.input_tensors()))
-    recv = in_bytes / np.sqrt(p)
+    # The largest operand (usually the weights) is laid out for this matmul and
+    # stays put; the others are exchanged, each tile receiving its slices.
+    operands = sorted((t.nbytes for t in op.input_tensors()), reverse=True)
+    recv = float(sum(operands[1:])) / np.sqrt(p)
     limit = amp * target.bytes_per_tile
     serial = max(1, int(np.ceil(recv / limit)))
     cost.macs, cost.flops = macs, 2 * macs
-    cost.compute = macs / p / rate + VERTEX_OVERHEAD * serial
-    cost.exchange = recv / target.exchange_bytes_per_cycle
-    cost.sync = target.sync_cycles * serial
+    extra = EXTRA_SUPERSTEPS.get(op.target.overloadpacket.__name__, DEFAULT_EXTRA_SUPERSTEPS)
+    cost.compute = macs / p / rate + VERTEX_OVERHEAD * (serial + extra)
+    cost.exchange = _exchange_cycles(recv, target)
+    cost.sync = target.sync_cycles * (serial + extra)
     if r > 1:
         partial_bytes = out_elems * item / p_out * r
-        cost.exchange += partial_bytes / target.exchange_bytes_per_cycle
-        cost.compute += partial_bytes / target.vector_bytes + VERTEX_OVERHEAD
+        cost.exchange += _exchange_cycles(partial_bytes, target)
+        cost.compute += partial_bytes / _vector_rate(target) + VERTEX_OVERHEAD
         cost.sync += target.sync_cycles
     temp = np.zeros(tiles)
     temp[:p] = recv / serial

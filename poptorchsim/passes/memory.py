@@ -52,32 +52,86 @@ def graph_liveness_profile(graph, tiles):
     return usage.sum(axis=1).astype(np.int64) if len(usage) else np.zeros(0, np.int64)
 
 
+_INPLACE = ("elementwise", "transcendental")
+
+
+def _buffers(graph):
+    """Which activations share a buffer: view results alias their input, and
+    an element-wise result reuses an input buffer of the same size whose
+    contents all die at that op (in place).  Returns ``find(tensor) -> root``."""
+    parent = {}
+
+    def find(t):
+        while t.id in parent:
+            t = parent[t.id]
+        return t
+
+    last = {}
+    for k, op in enumerate(graph.ops):
+        for t in op.input_tensors():
+            last[t.id] = k
+    for t in graph.outputs:
+        last[t.id] = len(graph.ops)
+    buffer_last = {}            # root id -> last use of anything stored there
+
+    def join(out, r):
+        parent[out.id] = r
+        buffer_last[r.id] = max(buffer_last.get(r.id, -1), last.get(out.id, -1))
+
+    outputs = {t.id for t in graph.outputs}
+    for k, op in enumerate(graph.ops):
+        ins = op.input_tensors()
+        for out in op.outputs:
+            if out is None:
+                continue
+            buffer_last.setdefault(out.id, last.get(out.id, -1))
+            if op.cost_class == "view" and ins:
+                join(out, find(ins[0]))
+            elif op.cost_class in _INPLACE and out.id not in outputs:
+                for t in ins:
+                    r = find(t)
+                    if (r.role == "activation" and r.nbytes == out.nbytes
+                            and buffer_last.get(r.id, last.get(r.id, -1)) == k):
+                        join(out, r)
+                        break
+    return find
+
+
 def _live_usage(graph, tiles, temps):
-    """Bytes live on each tile at each op: an (ops x tiles) array."""
+    """Bytes live on each tile at each op: an (ops x tiles) array.
+
+    Each buffer lives from the op that first writes it to the last use of any
+    tensor stored in it.  Outputs of a graph that overwrites its variables
+    (the optimizer update, in place as on the IPU) cost nothing extra."""
     n_ops = len(graph.ops)
     if n_ops == 0:
         return np.zeros((0, tiles))
-    inputs = {t.id for t in graph.inputs}
-    acts = [t for t in graph.tensors
-            if t.id not in inputs and t.role not in ALWAYS_LIVE_ROLES and t.nbytes]
-    index = {t.id: i for i, t in enumerate(acts)}
-    start = np.zeros(len(acts), dtype=np.int64)
-    end = np.zeros(len(acts), dtype=np.int64)
+    find = _buffers(graph)
+    overwrite = getattr(graph, "outputs_overwrite_inputs", False)
+    skip = {t.id for t in graph.outputs} if overwrite else set()
+    first, last, buffers = {}, {}, {}
     for k, op in enumerate(graph.ops):
         for t in op.outputs:
-            if t is not None and t.id in index:
-                start[index[t.id]] = k
-                end[index[t.id]] = k
+            if t is not None and t.role == "activation" and t.nbytes and t.id not in skip:
+                r = find(t)
+                buffers[r.id] = r
+                first.setdefault(r.id, k)
+                last[r.id] = max(last.get(r.id, k), k)
         for t in op.input_tensors():
-            if t.id in index:
-                end[index[t.id]] = k
+            r = find(t)
+            if r.id in buffers:
+                last[r.id] = k
     for t in graph.outputs:
-        if t.id in index:
-            end[index[t.id]] = n_ops - 1
+        r = find(t)
+        if r.id in buffers:
+            last[r.id] = n_ops - 1
+    ids = list(buffers)
+    start = np.array([first[i] for i in ids], dtype=np.int64)
+    end = np.array([last[i] for i in ids], dtype=np.int64)
     steps = np.arange(n_ops)[:, None]
     live = ((steps >= start[None, :]) & (steps <= end[None, :])).astype(np.float64)
-    per_tensor = (np.stack([t.mapping.bytes_per_tile(tiles) for t in acts])
-                  if acts else np.zeros((0, tiles)))
+    per_tensor = (np.stack([buffers[i].mapping.bytes_per_tile(tiles) for i in ids])
+                  if ids else np.zeros((0, tiles)))
     return live @ per_tensor + temps
 
 

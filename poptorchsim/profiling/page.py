@@ -81,6 +81,15 @@ def render(report, images, missing_plots=None, top_ops=20):
             parts.append(f"<p><img src='{escape(images[key])}' alt='{escape(alt)}'></p>")
 
     parts.append("<h2>Memory per tile</h2>")
+    if not mem["fits"]:
+        parts.append(
+            f"<p class='note'>{mem['tiles_over']} of {target['tiles']} tiles need more than "
+            f"their {escape(fmt_bytes(cap))}: this program would not load on a real IPU. "
+            "Reduce the micro-batch size or the model, or split the model over more "
+            "IPUs.</p>")
+    parts.append("<p>Always-live memory is held for the whole program (weights, optimizer "
+                 "state, code, stream buffers); not-always-live memory is each tile's peak "
+                 "of intermediate tensors and temporary buffers while a graph runs.</p>")
     image("memory", "memory per tile")
     fullest = fullest_tiles(report, 10)
     parts.append(_table(["tile", "always-live", "not-always-live", "total", "% of capacity"],
@@ -97,7 +106,7 @@ def render(report, images, missing_plots=None, top_ops=20):
     parts.append(f"<h2>Costliest ops ({len(ops)} of {len(report['ops'])})</h2>")
     image("cycles_by_op", "cycles per call of the costliest ops")
     parts.append(_table(
-        ["#", "op", "kind", "class", "output shape", "compute", "exchange", "sync",
+        ["#", "op", "ATen op", "class", "output shape", "compute", "exchange", "sync",
          "cycles per run", "runs per call", "cycles per call", "share"],
         [(i + 1, op_label(op), op["op"], op["class"], "x".join(map(str, op["shape"])),
           fmt_count(op["compute"]), fmt_count(op["exchange"]), fmt_count(op["sync"]),

@@ -148,7 +148,7 @@ def plot_cycles_by_op(report, path, top=20):
               for op in ops]
     ax.set_yticks(y)
     ax.set_yticklabels(labels, fontsize=8)
-    ax.invert_yaxis()
+    ax.set_ylim(len(ops) - 0.4, -0.6)     # costliest at the top
     ax.set_xlim(0, left.max() * 1.1)
     ax.set_xlabel("cycles per call (all runs of the op in one call of the model)")
     ax.set_title(f"Costliest {len(ops)} of {len(report['ops'])} ops; "
@@ -165,6 +165,7 @@ def plot_liveness(report, path):
     fig = _figure(11, 4.2)
     ax = fig.add_subplot()
     largest = max((v.max() for v in live.values()), default=0.0)
+    longest = max((len(v) for v in live.values()), default=0)
     unit, div = byte_unit(largest)
     for graph, values in live.items():
         # op k holds its live bytes from x = k to k + 1
@@ -173,9 +174,10 @@ def plot_liveness(report, path):
                         linewidth=1.6, label=f"{graph} ({len(values)} ops)")
         k = int(np.argmax(values))
         ax.plot([k], [values[k] / div], marker="o", color=line.get_color())
+        right = k > 0.6 * longest
         ax.annotate(f"peak {fmt_bytes(values[k])} at op {k}", (k, values[k] / div),
-                    xytext=(4, 4), textcoords="offset points", fontsize=8,
-                    color=line.get_color())
+                    xytext=(-4 if right else 4, 4), textcoords="offset points", fontsize=8,
+                    ha="right" if right else "left", color=line.get_color())
     if not live:
         ax.text(0.5, 0.5, "no ops", ha="center", va="center", transform=ax.transAxes)
     ax.set_ylim(0, largest / div * 1.3 if largest else 1)

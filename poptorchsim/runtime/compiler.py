@@ -172,7 +172,9 @@ def _build_update(model, optimizer, capture):
              + [(f"step/{n}", "state") for n in names]
              + [(f"hyper/{g}/{h}", "hyper") for g in range(len(flags)) for h in hyper_names]
              + [("grad_scale", "hyper")])
-    return lower(update_fx, "optimizer_update", roles), kind, group_of, flags
+    graph = lower(update_fx, "optimizer_update", roles)
+    graph.outputs_overwrite_inputs = True     # variables are updated in place
+    return graph, kind, group_of, flags
 
 
 def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False):

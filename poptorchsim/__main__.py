@@ -1,0 +1,54 @@
+"""Command line: ``python -m poptorchsim report DIR`` prints the simulation
+reports written under DIR by ``Options.enableProfiling(DIR)`` (or
+``POPLAR_ENGINE_OPTIONS='{"autoReport.all":"true","autoReport.directory":"DIR"}'``)."""
+import argparse
+import json
+import os
+import sys
+
+
+def _report(args):
+    from .profiling import find_reports, summary
+    if not os.path.isdir(args.directory):
+        print(f"poptorchsim report: {args.directory!r} is not a directory", file=sys.stderr)
+        return 2
+    paths = find_reports(args.directory)
+    if not paths:
+        print(f"poptorchsim report: no profile.json found in {args.directory!r} or its "
+              "subdirectories. Compile a model with Options().enableProfiling(DIR), or set "
+              "POPLAR_ENGINE_OPTIONS='{\"autoReport.all\":\"true\","
+              "\"autoReport.directory\":\"DIR\"}', then point this at DIR.", file=sys.stderr)
+        return 1
+    for i, path in enumerate(paths):
+        try:
+            with open(path) as f:
+                report = json.load(f)
+            text = summary(report)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"poptorchsim report: cannot read {path}: {exc!r}", file=sys.stderr)
+            return 1
+        if i:
+            print()
+        html = os.path.join(os.path.dirname(path), "index.html")
+        print(f"== {os.path.dirname(path)}" + (f" (open {html})" if os.path.exists(html) else ""))
+        print(text)
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m poptorchsim",
+                                     description="poptorchsim command line tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    report = commands.add_parser(
+        "report", help="print the simulation reports found under a directory",
+        description="Print a summary of every simulation report (profile.json) in DIR and "
+                    "its subdirectories: a model's report directory, or the profile root "
+                    "holding one subdirectory per model.")
+    report.add_argument("directory", metavar="DIR")
+    report.set_defaults(run=_report)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""The simulated IPU: targets, out of memory, cycles, latencies, available memory."""
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import poptorchsim as poptorch
+from poptorchsim.machine.targets import BOW, MK1, MK2, TEST_IPU, default_target
+
+
+def quiet():
+    return poptorch.Options().showCompilationProgressBar(False)
+
+
+class Regression(nn.Module):
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.fc = nn.Linear(n_in, n_out)
+
+    def forward(self, x, y):
+        out = self.fc(x)
+        return out, nn.functional.mse_loss(out, y)
+
+
+def test_targets_table_matches_the_hardware_figures():
+    assert (MK2.tiles, MK2.bytes_per_tile, MK2.clock_hz) == (1472, 638_976, 1.33e9)
+    assert (MK1.tiles, MK1.bytes_per_tile, MK1.clock_hz) == (1216, 262_144, 1.6e9)
+    assert (BOW.tiles, BOW.bytes_per_tile, BOW.clock_hz) == (1472, 638_976, 1.85e9)
+    assert TEST_IPU.tiles == 4
+    assert MK2.amp_macs_fp16 == 64 and MK1.amp_macs_fp16 == 32
+
+
+def test_target_chosen_by_environment_and_option(monkeypatch):
+    monkeypatch.delenv("POPTORCHSIM_SMALL_IPU_MODEL", raising=False)
+    monkeypatch.delenv("POPTORCHSIM_IPU_MODEL_VERSION", raising=False)
+    assert default_target() is MK2
+    monkeypatch.setenv("POPTORCHSIM_IPU_MODEL_VERSION", "ipu1")
+    assert default_target() is MK1
+    monkeypatch.setenv("POPTORCHSIM_SMALL_IPU_MODEL", "1")
+    assert default_target() is TEST_IPU
+    assert default_target("bow") is BOW          # the option wins
+    monkeypatch.setenv("POPTORCHSIM_SMALL_IPU_MODEL", "0")
+    monkeypatch.setenv("POPTORCHSIM_IPU_MODEL_VERSION", "ipu9")
+    with pytest.raises(poptorch.Error, match="Unknown IPU model version"):
+        default_target()
+    with pytest.raises(poptorch.Error, match="Unknown IPU model version"):
+        poptorch.Options().useIpuModelVersion("ipu3")
+
+
+def _compile(model, opts, batch, optimizer=None):
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.1)
+    tm = poptorch.trainingModel(model, opts, optimizer)
+    n_in, n_out = model.fc.in_features, model.fc.out_features
+    tm.compile(torch.randn(batch, n_in), torch.randn(batch, n_out))
+    return tm
+
+
+def test_out_of_memory_over_an_ipu_and_not_under_it():
+    # Adam: weights, gradients and two moments of a 4096x4096 layer = 268 MB,
+    # plus the update's temporaries: over a Mk1's 304 MiB, under a Mk2's 897 MiB.
+    model = Regression(4096, 4096)
+    with pytest.raises(poptorch.OutOfMemoryError,
+                       match=r"Out of memory on tile \d+: \d+ bytes used but tiles only "
+                             r"have 262144 bytes of memory"):
+        _compile(model, quiet().useIpuModelVersion("ipu1"), 8,
+                 torch.optim.Adam(model.parameters()))
+    model.destroy()
+    tm = _compile(model, quiet().useIpuModelVersion("ipu2"), 8,
+                  torch.optim.Adam(model.parameters()))
+    mem = tm.memoryReport()
+    assert mem.total.max() <= 638_976
+    assert mem.always_live.sum() > 268e6
+
+
+def test_out_of_memory_message_names_the_largest_tensors():
+    model = Regression(6000, 6000)
+    with pytest.raises(poptorch.OutOfMemoryError) as info:
+        _compile(model, quiet().useIpuModelVersion("ipu1"), 8,
+                 torch.optim.Adam(model.parameters()))
+    import re
+    assert re.search(r"Largest tensors there: [\w./]+ \(\d+ B\)", str(info.value))
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_allow_out_of_memory_finishes_compilation():
+    model = Regression(6000, 6000)
+    opts = quiet().useIpuModelVersion("ipu1")
+    opts._Popart.setEngineOptions({"debug.allowOutOfMemory": "true"})
+    records = _Records()
+    logger = logging.getLogger("poptorchsim")
+    logger.addHandler(records)
+    try:
+        tm = _compile(model, opts, 8, torch.optim.Adam(model.parameters()))
+    finally:
+        logger.removeHandler(records)
+    assert tm.memoryReport().total.max() > 262_144
+    assert any("Out of memory on tile" in m for m in records.messages)
+
+
+def _matmul_compute(n_out, batch=512, n_in=1024):
+    model = nn.Linear(n_in, n_out)
+    im = poptorch.inferenceModel(model, quiet())
+    im.compile(torch.randn(batch, n_in))
+    ops = [o for o in im.simulationReport()["ops"] if o["class"] == "matmul"]
+    return ops[0]
+
+
+def test_doubling_a_matmul_output_doubles_its_compute():
+    small, big = _matmul_compute(2048), _matmul_compute(4096)
+    assert big["macs"] == 2 * small["macs"]
+    assert 1.7 < big["compute"] / small["compute"] < 2.3
+
+
+def test_lower_available_memory_uses_less_temporary_memory_and_more_supersteps():
+    def build(amp):
+        class Big(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4096, 4096)
+
+            def forward(self, x):
+                return poptorch.set_available_memory(self.fc(x), amp)
+        im = poptorch.inferenceModel(Big(), quiet())
+        im.compile(torch.randn(256, 4096))
+        return im
+    generous, tight = build(0.6), build(0.01)
+    op = lambda im: next(o for o in im.simulationReport()["ops"] if o["class"] == "matmul")
+    assert op(tight)["sync"] > op(generous)["sync"]
+    assert tight.memoryReport().not_always_live.max() < generous.memoryReport().not_always_live.max()
+
+
+def test_options_available_memory_proportion_applies_to_ipu0():
+    def peak(amp):
+        opts = quiet().setAvailableMemoryProportion({"IPU0": amp})
+        im = poptorch.inferenceModel(nn.Linear(4096, 4096), opts)
+        im.compile(torch.randn(256, 4096))
+        return im.memoryReport().not_always_live.max()
+    assert peak(0.01) < peak(0.6)
+    with pytest.raises(AssertionError, match="IPU"):
+        quiet().setAvailableMemoryProportion({"0": 0.5})
+
+
+def test_perf_counters_and_latencies_follow_the_output_mode():
+    model = Regression(16, 4)
+    opts = quiet().deviceIterations(4)
+    opts.Training.gradientAccumulation(2)
+    tm = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert tm.getPerfCounters()["input"] == [[]]
+    assert tm.getComputeLatency() == (0.0, 0.0, 0.0)
+    tm(torch.randn(32, 16), torch.randn(32, 4))
+    pc = tm.getPerfCounters()
+    assert len(pc["input"]) == 2 and len(pc["input"][0]) == 4 * 2    # di * ga
+    assert len(pc["output"][0]) == 1                                  # Final: rf
+    lo, hi, avg = tm.getComputeLatency()
+    assert 0 < lo <= avg <= hi
+    assert tm.getLatency()[2] > tm.getComputeLatency()[2]
+    first_end = pc["output_complete"][0][-1]
+    tm(torch.randn(32, 16), torch.randn(32, 4))
+    assert tm.getPerfCounters()["input"][0][0] >= first_end           # the clock runs on
+
+
+def test_synthetic_data_drops_host_streams():
+    def estimate(synthetic):
+        opts = quiet().deviceIterations(10).enableSyntheticData(synthetic)
+        im = poptorch.inferenceModel(nn.Linear(512, 512), opts)
+        im(torch.randn(640, 512))
+        return im
+    real, synthetic = estimate(False), estimate(True)
+    assert synthetic.cycleEstimate()["host"] < real.cycleEstimate()["host"]
+    assert synthetic.getPerfCounters()["input"] == [[]]
+
+
+def test_estimate_does_not_depend_on_running():
+    model = Regression(64, 8)
+    tm = _compile(model, quiet().deviceIterations(2), 16)
+    before = tm.cycleEstimate()
+    tm(torch.randn(16, 64), torch.randn(16, 8))
+    assert tm.cycleEstimate() == before
