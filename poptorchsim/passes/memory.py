@@ -24,7 +24,8 @@ class MemoryReport:
     capacity: int
     always_live: np.ndarray              # bytes per tile
     not_always_live: np.ndarray          # peak bytes per tile
-    by_tensor: dict = field(default_factory=dict)   # name -> bytes per tile
+    by_tensor: dict = field(default_factory=dict)   # variable -> bytes per tile
+    graphs: dict = field(default_factory=dict)      # name -> (usage, live, buffers)
 
     @property
     def total(self):
@@ -35,20 +36,25 @@ class MemoryReport:
         return int(np.argmax(self.total))
 
     def largest_on(self, tile, n=5):
-        found = sorted(((int(v[tile]), k) for k, v in self.by_tensor.items() if v[tile]),
-                       reverse=True)
-        return found[:n]
-
-
-def graph_liveness(graph, tiles, temps):
-    """Peak not-always-live bytes per tile while ``graph`` runs."""
-    usage = _live_usage(graph, tiles, temps)
-    return usage.max(axis=0).astype(np.int64) if len(usage) else np.zeros(tiles, np.int64)
+        """(bytes, name) of the largest tensors on ``tile`` at its fullest moment:
+        the always-live variables, and the buffers live at the peak op of the
+        graph that fills the tile most."""
+        found = [(int(v[tile]), k) for k, v in self.by_tensor.items() if v[tile]]
+        worst = max(self.graphs.items(), key=lambda kv: kv[1][0][:, tile].max()
+                    if len(kv[1][0]) else -1, default=None)
+        if worst is not None and len(worst[1][0]):
+            name, (usage, live, buffers) = worst
+            k = int(np.argmax(usage[:, tile]))
+            for alive, t in zip(live[k], buffers):
+                nbytes = int(t.mapping.bytes_per_tile(len(self.total))[tile]) if alive else 0
+                if nbytes:
+                    found.append((nbytes, f"{name}/{t.name}"))
+        return sorted(found, key=lambda f: (-f[0], f[1]))[:n]
 
 
 def graph_liveness_profile(graph, tiles):
     """Live (not-always-live) bytes summed over tiles after each op of ``graph``."""
-    usage = _live_usage(graph, tiles, 0)
+    usage = _live_usage(graph, tiles, 0)[0]
     return usage.sum(axis=1).astype(np.int64) if len(usage) else np.zeros(0, np.int64)
 
 
@@ -98,14 +104,15 @@ def _buffers(graph):
 
 
 def _live_usage(graph, tiles, temps):
-    """Bytes live on each tile at each op: an (ops x tiles) array.
+    """(usage, live, buffers): bytes live on each tile at each op (ops x tiles),
+    which buffers are live at each op (ops x buffers), and the buffers.
 
     Each buffer lives from the op that first writes it to the last use of any
     tensor stored in it.  Outputs of a graph that overwrites its variables
     (the optimizer update, in place as on the IPU) cost nothing extra."""
     n_ops = len(graph.ops)
     if n_ops == 0:
-        return np.zeros((0, tiles))
+        return np.zeros((0, tiles)), np.zeros((0, 0), dtype=bool), []
     find = _buffers(graph)
     overwrite = getattr(graph, "outputs_overwrite_inputs", False)
     skip = {t.id for t in graph.outputs} if overwrite else set()
@@ -129,10 +136,10 @@ def _live_usage(graph, tiles, temps):
     start = np.array([first[i] for i in ids], dtype=np.int64)
     end = np.array([last[i] for i in ids], dtype=np.int64)
     steps = np.arange(n_ops)[:, None]
-    live = ((steps >= start[None, :]) & (steps <= end[None, :])).astype(np.float64)
+    live = (steps >= start[None, :]) & (steps <= end[None, :])
     per_tensor = (np.stack([buffers[i].mapping.bytes_per_tile(tiles) for i in ids])
                   if ids else np.zeros((0, tiles)))
-    return live @ per_tensor + temps
+    return live.astype(np.float64) @ per_tensor + temps, live, [buffers[i] for i in ids]
 
 
 def plan_memory(program, variables, target, costs):
@@ -147,6 +154,7 @@ def plan_memory(program, variables, target, costs):
     for v in by_tensor.values():
         always += v
     peak = np.zeros(tiles, dtype=np.int64)
+    graphs = {}
     for graph in program.graphs.values():
         temps = np.zeros((len(graph.ops), tiles))
         for k, (op, cost) in enumerate(zip(graph.ops, costs[graph.name])):
@@ -156,12 +164,11 @@ def plan_memory(program, variables, target, costs):
                 if t is not None and op.cost_class != "view":
                     used |= t.mapping.bytes_per_tile(tiles) > 0
             always += used * VERTEX_STATE_BYTES
-        peak = np.maximum(peak, graph_liveness(graph, tiles, temps))
-        for t in graph.tensors:
-            if t.role not in ALWAYS_LIVE_ROLES and t.role != "input" and t.nbytes:
-                key = f"{graph.name}/{t.name}"
-                by_tensor[key] = t.mapping.bytes_per_tile(tiles)
-    return MemoryReport(target.bytes_per_tile, always, peak, by_tensor)
+        usage, live, buffers = _live_usage(graph, tiles, temps)
+        graphs[graph.name] = (usage, live, buffers)
+        if len(usage):
+            peak = np.maximum(peak, usage.max(axis=0).astype(np.int64))
+    return MemoryReport(target.bytes_per_tile, always, peak, by_tensor, graphs)
 
 
 def check_fits(report, target, allow_out_of_memory=False):
