@@ -21,6 +21,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/mnist_training.py
+	$(BIN)/python benchmarks/fidelity.py
+	$(BIN)/python benchmarks/tile_scaling.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
