@@ -25,6 +25,7 @@ from torch.func import functionalize, grad_and_value
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..errors import DataDependentError, Error, LossError
+from . import blocks as _blocks
 from . import losses as _losses
 from . import optimizers as _opt
 
@@ -67,6 +68,7 @@ class Capture:
     n_tensor_outputs: int
     loss_kind: str = ""
     example_inputs: list = field(default_factory=list)
+    blocks: list = field(default_factory=list)   # (user_id, ipu_id) in entry order
 
 
 def bind_inputs(module, args, kwargs):
@@ -126,11 +128,13 @@ DATA_DEPENDENT_HELP = (
     "operations such as torch.where, or move it out of forward().")
 
 
-def _trace(fn, example, what):
+def _trace(fn, example, what, blocks_seen=None):
     try:
-        with _tracing_scope():
+        with _tracing_scope(), _blocks.recording() as entered:
             gm = make_fx(functionalize(fn, remove="mutations"), tracing_mode="fake",
                          decomposition_table=DECOMPOSITIONS)(*example)
+        if blocks_seen is not None:
+            blocks_seen.extend(dict.fromkeys(entered))     # unique, in entry order
     except Error:
         raise
     except Exception as exc:  # noqa: BLE001 - classified below
@@ -236,11 +240,12 @@ def capture_training(module, args, kwargs, in_optimizer):
         {n: buffers[n].detach() for n in buffer_names},
         [t.detach() for t in tensors],
     )
-    gm = _trace(step, example, "training step")
+    blocks = []
+    gm = _trace(step, example, "training step", blocks)
     return _finish(Capture("training", gm, trainable + frozen, trainable, buffer_names,
                            spec, described, None, None, 0,
                            loss_kind=out_info.get("loss_kind", ""),
-                           example_inputs=tensors), out_info)
+                           example_inputs=tensors, blocks=blocks), out_info)
 
 
 def capture_inference(module, args, kwargs):
@@ -266,12 +271,14 @@ def capture_inference(module, args, kwargs):
             example = ({n: params[n].detach() for n in param_names},
                        {n: buffers[n].detach() for n in buffer_names},
                        [t.detach() for t in tensors])
-            gm = _trace(forward, example, "inference forward")
+            blocks = []
+            gm = _trace(forward, example, "inference forward", blocks)
     finally:
         for m, mode in modes.items():
             m.training = mode
     return _finish(Capture("inference", gm, param_names, [], buffer_names, spec,
-                           described, None, None, 0, example_inputs=tensors), out_info)
+                           described, None, None, 0, example_inputs=tensors,
+                           blocks=blocks), out_info)
 
 
 def _finish(capture, out_info):

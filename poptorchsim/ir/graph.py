@@ -57,6 +57,10 @@ class Op:
     cost_class: str
     multi_output: bool = False
     available_memory: Optional[float] = None   # set_available_memory on this op
+    block: Optional[tuple] = None     # (user_id, ipu_id) the forward op was traced in
+    stage: int = 0                    # pipeline stage (forward numbering)
+    ipu: int = 0                      # the IPU it runs on
+    backward: bool = False            # part of the backward pass
 
     def input_tensors(self):
         found = []

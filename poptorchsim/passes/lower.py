@@ -85,7 +85,8 @@ def lower(gm, name, roles):
             val = node.meta.get("val")
             op = Op(len(graph.ops), node.name, target, arg(tuple(node.args)),
                     arg(dict(node.kwargs)), [], cls,
-                    available_memory=node.meta.get("available_memory"))
+                    available_memory=node.meta.get("available_memory"),
+                    block=node.meta.get("custom", {}).get("block"))
             if isinstance(val, (tuple, list)):
                 op.multi_output = True
                 for i, v in enumerate(val):
