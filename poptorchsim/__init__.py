@@ -10,6 +10,9 @@ import weakref
 import torch
 
 from . import enums, optim
+from .annotations import (BeginBlock, Block, BlockFunction, BlockId, LegacyBeginBlockFn,
+                          PipelinedExecution, ShardedExecution, Stage,
+                          recomputationCheckpoint, removeBlocks)
 from .data import DataLoader
 from .enums import *  # noqa: F401,F403 - PopTorch re-exports its enums
 from .errors import (BatchDimensionError, DataDependentError, Error, InputMismatchError,

@@ -249,6 +249,7 @@ class Options(_OptionsDict):
         object.__setattr__(self, "_precision", _PrecisionOptions())
         object.__setattr__(self, "_jit", _JitOptions())
         object.__setattr__(self, "_popart", _PopartOptions())
+        object.__setattr__(self, "_execution_strategy", None)   # see execution_strategy
         defaults = os.environ.get("POPTORCH_DEFAULT_OPTIONS")
         if defaults:
             self.from_json(defaults)
@@ -305,6 +306,29 @@ class Options(_OptionsDict):
     def defaultOutputMode(self):
         return self.output_mode == enums.OutputMode.Default
 
+    # -- multi-IPU ----------------------------------------------------------------
+    def setExecutionStrategy(self, strategy):
+        """How blocks become stages and IPUs: ``PipelinedExecution`` (the
+        default) or ``ShardedExecution``."""
+        from .annotations import _IExecutionStrategy
+        assert isinstance(strategy, _IExecutionStrategy), (
+            "strategy must be an instance of an execution strategy class, such as "
+            f"poptorch.PipelinedExecution or poptorch.ShardedExecution (got {type(strategy)})")
+        self._check_not_frozen()
+        object.__setattr__(self, "_execution_strategy", strategy)
+        return self
+
+    @property
+    def execution_strategy(self):
+        """The strategy set by ``setExecutionStrategy``; ``PipelinedExecution()``
+        (stage = each block's ``ipu_id``) until one is set."""
+        strategy = vars(self).get("_execution_strategy")
+        if strategy is None:
+            from .annotations import PipelinedExecution
+            strategy = PipelinedExecution()
+            object.__setattr__(self, "_execution_strategy", strategy)
+        return strategy
+
     # -- misc -------------------------------------------------------------------
     def randomSeed(self, random_seed):
         """Seeds the host (``torch.manual_seed``) and the device RNG."""
@@ -340,6 +364,8 @@ class Options(_OptionsDict):
         return self.set(connection_type=connection_type.value)
 
     def autoRoundNumIPUs(self, auto_round_num_ipus=True):
+        """Round a model's IPU count up to a power of two (the spare IPUs are
+        reserved and idle) instead of failing."""
         return self.set(auto_round_num_ipus=bool(auto_round_num_ipus))
 
     def broadcastBuffers(self, broadcast_buffers=True):

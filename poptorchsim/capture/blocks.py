@@ -9,6 +9,7 @@ given blocks later, from the forward nodes they read (``assign_blocks``).
 import contextlib
 import threading
 
+import torch
 import torch.fx.traceback as fx_traceback
 
 _state = threading.local()
@@ -22,14 +23,35 @@ def is_recording():
     return _log() is not None
 
 
-def enter_block(user_id, ipu_id):
-    """Ops traced from now on belong to block ``user_id`` on ``ipu_id``."""
+def enter_block(user_id, ipu_id, inputs=()):
+    """Ops traced from now on belong to block ``user_id`` on ``ipu_id``.
+
+    ``inputs``: the tensors entering the block.  A gradient hook on each makes
+    the backward pass switch back to the previous block once the block's own
+    backward is done, so every backward op lands in its forward op's block."""
     log = _log()
     if log is None:
         return
     custom = fx_traceback.current_meta.setdefault("custom", {})
+    previous = custom.get("block")
     custom["block"] = (None if user_id is None else str(user_id), ipu_id)
-    log.append((custom["block"]))
+    log.append(custom["block"])
+    if previous is not None and previous != custom["block"]:
+        for t in inputs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(_switch_to(previous))
+
+
+def _switch_to(block):
+    def hook(grad):
+        fx_traceback.current_meta.setdefault("custom", {})["block"] = block
+    return hook
+
+
+def begin_backward():
+    """What autograd traces from now on is the backward pass."""
+    if _log() is not None:
+        fx_traceback.current_meta.setdefault("custom", {})["backward"] = True
 
 
 def leave_block(previous):
@@ -64,3 +86,7 @@ def recording():
 
 def node_block(node):
     return node.meta.get("custom", {}).get("block")
+
+
+def node_is_backward(node):
+    return bool(node.meta.get("custom", {}).get("backward", False))

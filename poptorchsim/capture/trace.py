@@ -224,6 +224,7 @@ def capture_training(module, args, kwargs, in_optimizer):
                 out = _call_checked(module, {**p_train, **p_frozen, **bufs}, a, kw,
                                     bufs)
             loss, kind = _select_loss(recorder.losses)
+            _blocks.begin_backward()       # what autograd traces next is backward
             out_info["loss_kind"] = kind
             scalar = loss if loss.dim() == 0 else loss.sum()
             return scalar, (out, bufs)

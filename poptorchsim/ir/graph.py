@@ -155,6 +155,12 @@ class Program:
     out_bytes: int = 0                # streamed device -> host per call
     grad_bytes: int = 0               # gradients reduced per weight update
     synthetic_data: bool = False      # no host streams (Options.enableSyntheticData)
+    n_stages: int = 1                 # forward pipeline stages
+    n_ipus: int = 1                   # IPUs per replica
+    ipu_of_stage: list = field(default_factory=lambda: [0])
+    pipelined: bool = False
+    stage_map: str = ""
+    schedule: Any = None              # passes.pipeline.Schedule of one weight update
 
     def __str__(self):
         from .printer import format_program

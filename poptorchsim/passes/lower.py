@@ -86,7 +86,8 @@ def lower(gm, name, roles):
             op = Op(len(graph.ops), node.name, target, arg(tuple(node.args)),
                     arg(dict(node.kwargs)), [], cls,
                     available_memory=node.meta.get("available_memory"),
-                    block=node.meta.get("custom", {}).get("block"))
+                    block=node.meta.get("custom", {}).get("block"),
+                    backward=bool(node.meta.get("custom", {}).get("backward", False)))
             if isinstance(val, (tuple, list)):
                 op.multi_output = True
                 for i, v in enumerate(val):

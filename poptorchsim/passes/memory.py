@@ -21,11 +21,13 @@ VERTEX_STATE_BYTES = 48        # per op, per tile it runs on
 
 @dataclass
 class MemoryReport:
+    """Memory per tile of one IPU."""
     capacity: int
     always_live: np.ndarray              # bytes per tile
     not_always_live: np.ndarray          # peak bytes per tile
     by_tensor: dict = field(default_factory=dict)   # variable -> bytes per tile
     graphs: dict = field(default_factory=dict)      # name -> (usage, live, buffers)
+    ipu: int = 0
 
     @property
     def total(self):
@@ -103,7 +105,7 @@ def _buffers(graph):
     return find
 
 
-def _live_usage(graph, tiles, temps):
+def _live_usage(graph, tiles, temps, ipu=0):
     """(usage, live, buffers): bytes live on each tile at each op (ops x tiles),
     which buffers are live at each op (ops x buffers), and the buffers.
 
@@ -119,7 +121,8 @@ def _live_usage(graph, tiles, temps):
     first, last, buffers = {}, {}, {}
     for k, op in enumerate(graph.ops):
         for t in op.outputs:
-            if t is not None and t.role == "activation" and t.nbytes and t.id not in skip:
+            if (t is not None and t.role == "activation" and t.nbytes and t.id not in skip
+                    and t.mapping.ipu == ipu):
                 r = find(t)
                 buffers[r.id] = r
                 first.setdefault(r.id, k)
@@ -142,14 +145,15 @@ def _live_usage(graph, tiles, temps):
     return live.astype(np.float64) @ per_tensor + temps, live, [buffers[i] for i in ids]
 
 
-def plan_memory(program, variables, target, costs):
-    """The ``MemoryReport`` of ``program``.
+def plan_memory(program, variables, target, costs, ipu=0):
+    """The ``MemoryReport`` of ``program`` on IPU ``ipu``.
 
     ``variables``: name -> Tensor of every always-live device variable;
     ``costs``: graph name -> list of ``OpCost`` (for temporary buffers).
     """
     tiles = target.tiles
-    by_tensor = {name: t.mapping.bytes_per_tile(tiles) for name, t in variables.items()}
+    by_tensor = {name: t.mapping.bytes_per_tile(tiles) for name, t in variables.items()
+                 if t.mapping.ipu == ipu}
     always = np.full(tiles, target.code_bytes_per_tile, dtype=np.int64)
     for v in by_tensor.values():
         always += v
@@ -158,20 +162,22 @@ def plan_memory(program, variables, target, costs):
     for graph in program.graphs.values():
         temps = np.zeros((len(graph.ops), tiles))
         for k, (op, cost) in enumerate(zip(graph.ops, costs[graph.name])):
+            if op.ipu != ipu:
+                continue
             temps[k] += cost.temp_bytes
             used = np.zeros(tiles, dtype=bool)
             for t in op.outputs:
                 if t is not None and op.cost_class != "view":
                     used |= t.mapping.bytes_per_tile(tiles) > 0
             always += used * VERTEX_STATE_BYTES
-        usage, live, buffers = _live_usage(graph, tiles, temps)
+        usage, live, buffers = _live_usage(graph, tiles, temps, ipu)
         graphs[graph.name] = (usage, live, buffers)
         if len(usage):
             peak = np.maximum(peak, usage.max(axis=0).astype(np.int64))
-    return MemoryReport(target.bytes_per_tile, always, peak, by_tensor, graphs)
+    return MemoryReport(target.bytes_per_tile, always, peak, by_tensor, graphs, ipu)
 
 
-def check_fits(report, target, allow_out_of_memory=False):
+def check_fits(report, target, allow_out_of_memory=False, n_ipus=1):
     """Raises Poplar's out-of-memory error, or with ``allow_out_of_memory``
     (Poplar's ``debug.allowOutOfMemory``) logs it and lets compilation finish
     so the report can show where memory runs out."""
@@ -181,10 +187,13 @@ def check_fits(report, target, allow_out_of_memory=False):
     tile = int(np.argmax(total > report.capacity))
     largest = ", ".join(f"{name} ({nbytes} B)" for nbytes, name in report.largest_on(tile))
     over = int((total > report.capacity).sum())
+    where = f" (IPU {report.ipu}, tile {tile})" if n_ipus > 1 else ""
+    ipu_name = (f"IPU {report.ipu} ({target.name})" if n_ipus > 1
+                else f"the {target.name} IPU")
     error = OutOfMemoryError(
-        f"Out of memory on tile {tile}: {int(total[tile])} bytes used but tiles only "
-        f"have {report.capacity} bytes of memory. {over} of {target.tiles} tiles of "
-        f"the {target.name} IPU overflow (always-live {int(report.always_live[tile])} B, "
+        f"Out of memory on tile {report.ipu * target.tiles + tile}: {int(total[tile])} "
+        f"bytes used but tiles only have {report.capacity} bytes of memory{where}. {over} "
+        f"of {target.tiles} tiles of {ipu_name} overflow (always-live {int(report.always_live[tile])} B, "
         f"not-always-live {int(report.not_always_live[tile])} B on tile {tile}). "
         f"Largest tensors there: {largest}. Reduce the micro-batch size or the model, "
         "or split the model over more IPUs.")

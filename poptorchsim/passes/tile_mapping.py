@@ -17,6 +17,7 @@ class TileMapping:
     n_tiles: int
     nbytes: int
     grain: int
+    ipu: int = 0
 
     def _used(self):
         """Bytes on each of the ``n_tiles`` tiles in use, in order."""
@@ -42,41 +43,52 @@ class TileMapping:
 _INHERITS = ("view", "elementwise", "transcendental", "random")
 
 
-def map_graph(graph, target, cursor=0, variables=None):
-    """Give every tensor of ``graph`` a ``mapping``; returns the next start tile.
+def map_graph(graph, target, cursor=None, variables=None, input_ipu=None):
+    """Give every tensor of ``graph`` a ``mapping`` on the tile array of the IPU
+    that computes it; returns the next start tile of each IPU.
 
     ``variables`` (name -> Tensor) holds device variables mapped by earlier
     graphs: an input of the same name shares that tensor's mapping, and new
-    always-live inputs are added to it.
+    always-live inputs are added to it.  ``input_ipu`` names the IPU of each
+    input (default 0); op results live on ``op.ipu``.
     """
     variables = {} if variables is None else variables
-    def spread(t):
-        nonlocal cursor
+    cursor = {} if cursor is None else cursor
+    input_ipu = input_ipu or {}
+
+    def spread(t, ipu):
         grain = target.grain_bytes
         n_grains = -(-t.nbytes // grain) if t.nbytes else 1
         n = max(1, min(target.tiles, n_grains))
-        t.mapping = TileMapping(cursor % target.tiles, n, t.nbytes, grain)
-        cursor = (cursor + n) % target.tiles
+        start = cursor.get(ipu, 0)
+        t.mapping = TileMapping(start % target.tiles, n, t.nbytes, grain, ipu)
+        cursor[ipu] = (start + n) % target.tiles
 
     for t in graph.inputs:
         if t.name in variables:
             t.mapping = variables[t.name].mapping
             continue
-        spread(t)
+        spread(t, input_ipu.get(t.name, 0))
         if t.role != "activation":
             variables[t.name] = t
+    const_ipu = {}
+    for op in graph.ops:
+        for t in op.input_tensors():
+            if t.role == "const":
+                const_ipu.setdefault(t.id, op.ipu)
     for t in graph.tensors:
         if t.role == "const":
-            spread(t)
+            spread(t, const_ipu.get(t.id, 0))
     for op in graph.ops:
         ins = [t for t in op.input_tensors() if t.nbytes]
         for out in op.outputs:
             if out is None:
                 continue
-            like = next((t for t in ins if t.nbytes == out.nbytes), None)
+            like = next((t for t in ins if t.nbytes == out.nbytes
+                         and t.mapping.ipu == op.ipu), None)
             if op.cost_class in _INHERITS and like is not None:
                 m = like.mapping
-                out.mapping = TileMapping(m.start, m.n_tiles, out.nbytes, m.grain)
+                out.mapping = TileMapping(m.start, m.n_tiles, out.nbytes, m.grain, m.ipu)
             else:
-                spread(out)
+                spread(out, op.ipu)
     return cursor

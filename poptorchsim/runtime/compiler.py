@@ -18,6 +18,7 @@ from ..machine.cost import op_cost
 from ..machine.engine import compile_graph
 from ..passes.lower import lower
 from ..passes.memory import check_fits, plan_memory
+from ..passes.pipeline import input_ipus
 from ..passes.tile_mapping import map_graph
 
 
@@ -49,29 +50,71 @@ def _graph_cycles(costs):
     return {k: float(sum(getattr(c, k) for c in costs)) for k in keys}
 
 
+def _link_cycles(nbytes, src, dst, target):
+    """An inter-IPU copy: bytes over one IPU-Link plus a sync that grows with
+    the hops between the IPUs (PopLibs' global-sync model, 15 ns a hop)."""
+    hops = 1 + abs(dst - src) // 2
+    sync = int(np.ceil(15e-9 * target.clock_hz * hops * 2))
+    return nbytes / (target.link_bytes_per_s / target.clock_hz) + sync
+
+
+def _stage_times(graph, costs, target, n_stages):
+    """(forward, backward) cycles per stage for one micro-batch, inter-IPU
+    copies included (charged to the receiving stage)."""
+    fwd, bwd = [0.0] * n_stages, [0.0] * n_stages
+    ipu_of = {}
+    for op, cost in zip(graph.ops, costs):
+        (bwd if op.backward else fwd)[op.stage] += cost.total
+        for t in op.outputs:
+            if t is not None:
+                ipu_of[t.id] = op.ipu
+    copied = set()
+    for op in graph.ops:
+        for t in op.input_tensors():
+            src = ipu_of.get(t.id, t.mapping.ipu)
+            if src != op.ipu and (t.id, op.ipu) not in copied:
+                copied.add((t.id, op.ipu))
+                (bwd if op.backward else fwd)[op.stage] += _link_cycles(
+                    t.nbytes, src, op.ipu, target)
+    return fwd, bwd
+
+
 def _estimate(program, costs, target):
     """Cycles of one call (all device iterations), split by kind."""
+    from ..passes.pipeline import schedule
     di, ga, rf = program.device_iterations, program.accumulation, program.replicas
-    total = {"compute": 0.0, "exchange": 0.0, "sync": 0.0, "host": 0.0}
-    step = _graph_cycles(costs["training_step" if program.kind == "training"
-                               else "inference_forward"])
-    for k in step:
-        total[k] += step[k] * ga * di     # replicas run in parallel, on their own IPUs
-    if program.kind == "training":
+    training = program.kind == "training"
+    step_name = "training_step" if training else "inference_forward"
+    step = _graph_cycles(costs[step_name])
+    n_stages = program.n_stages
+    fwd, bwd = _stage_times(program.graphs[step_name], costs[step_name], target, n_stages)
+    ipu_of_stage = program.ipu_of_stage
+    if training:
+        sched = schedule(fwd, bwd, ipu_of_stage, ga, program.pipelined, True)
+        calls = di
+    else:
+        # inference pipelines device iterations
+        sched = schedule(fwd, bwd, ipu_of_stage, di, program.pipelined, False)
+        calls = 1
+    program.schedule = sched
+    step_total = sum(step.values()) or 1.0
+    total = {k: sched.cycles * calls * v / step_total for k, v in step.items()}
+    total["host"] = 0.0
+    if training:
         upd = _graph_cycles(costs["optimizer_update"])
         grad_bytes = program.grad_bytes
         if ga > 1:
             # accumulate: one element-wise add of every gradient per micro-batch
-            per_tile = grad_bytes / target.tiles
+            per_tile = grad_bytes / target.tiles / max(len(set(ipu_of_stage)), 1)
             total["compute"] += di * ga * (per_tile / target.vector_bytes)
             total["sync"] += di * ga * target.sync_cycles
         if rf > 1:
-            # ring all-reduce over IPU-Links (about 32 GB/s per link)
+            # ring all-reduce over IPU-Links
             link_bytes_per_cycle = target.link_bytes_per_s / target.clock_hz
             total["exchange"] += di * 2 * (rf - 1) / rf * grad_bytes / link_bytes_per_cycle
             total["sync"] += di * 2 * (rf - 1) * 1000
         for k in upd:
-            total[k] += upd[k] * di
+            total[k] += upd[k] * di / max(len(set(ipu_of_stage)), 1)
     host_s = target.call_overhead_s
     if not program.synthetic_data:
         host_s += (2 * target.host_latency_s * di
@@ -79,6 +122,7 @@ def _estimate(program, costs, target):
     total["host"] = host_s * target.clock_hz
     total["total"] = sum(total.values())
     total["seconds"] = total["total"] / target.clock_hz
+    total["bubble"] = sched.bubble
     return total
 
 
@@ -88,20 +132,62 @@ def _stages(show, desc):
 
 
 def _plan(program, target, amp, variables, allow_oom, bar=None):
-    """Costs per op, the memory report (checked) and the cycle estimate."""
+    """Costs per op, the memory report of every IPU (checked) and the cycle
+    estimate.  Returns (costs, memory of IPU 0 with ``.ipus`` = all, cycles)."""
     costs = {name: [op_cost(op, target, amp) for op in g.ops]
              for name, g in program.graphs.items()}
     if bar is not None:
         bar.set_description("Memory planning"); bar.update(1)
-    memory = plan_memory(program, variables, target, costs)
-    check_fits(memory, target, allow_oom)
+    reports = [plan_memory(program, variables, target, costs, ipu)
+               for ipu in range(program.n_ipus)]
+    for report in reports:
+        check_fits(report, target, allow_oom, program.n_ipus)
+    memory = reports[0]
+    memory.ipus = reports
     cycles = _estimate(program, costs, target)
     return costs, memory, cycles
 
 
+def _place(program, graph, capture, strategy, *, training, di, ga, rf, auto_round):
+    """Stages and IPUs of every op, PopTorch's rules checked first."""
+    import logging
+    from ..passes.pipeline import (assign_stages, check_rules, num_ipus_needed,
+                                   stage_map_text)
+    if capture.blocks:
+        if strategy is not None and hasattr(strategy, "assign"):
+            stage_of_block = strategy.assign(capture.blocks)
+        else:
+            stage_of_block = {b: (ipu or 0, ipu or 0) for b, ipu in capture.blocks}
+    else:
+        stage_of_block = {}
+    assign_stages(graph, stage_of_block, training)
+    stages = sorted({s for s, _ in stage_of_block.values()}) or [0]
+    # renumber stages densely, in order
+    dense = {s: i for i, s in enumerate(stages)}
+    for op in graph.ops:
+        op.stage = dense.get(op.stage, 0)
+    ipu_of_stage = [0] * len(stages)
+    for s, ipu in stage_of_block.values():
+        ipu_of_stage[dense[s]] = ipu
+    pipelined = bool(getattr(strategy, "is_pipelined", True))
+    program.stage_map = stage_map_text(graph, stage_of_block) if stage_of_block else ""
+    program.n_stages, program.ipu_of_stage = len(stages), ipu_of_stage
+    program.n_ipus = num_ipus_needed(stage_of_block)
+    program.pipelined = pipelined and len(stages) > 1
+    check_rules(training=training, pipelined=pipelined, n_stages=len(stages), di=di, ga=ga,
+                rf=rf, n_ipus=program.n_ipus, auto_round=auto_round,
+                stage_map=program.stage_map, logger=logging.getLogger("poptorchsim"))
+
+
+def _map_training(step_graph, update_graph, target):
+    """Optimizer updates run on the IPU holding their parameter."""
+    from ..passes.pipeline import place_update
+    place_update(update_graph, input_ipus(step_graph))
+
+
 def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
                      amp=0.6, show_progress=True, allow_oom=False, out_bytes_fn=None,
-                     synthetic=False):
+                     synthetic=False, strategy=None, auto_round=False):
     t0 = time.perf_counter()
     bar = _stages(show_progress, "Graph compilation")
     kind = opt_rules.optimizer_kind(optimizer)
@@ -134,11 +220,14 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
                       Repeat(di, body, "device_iteration"), rf, di, ga)
     program.grad_bytes, program.in_bytes, program.out_bytes = grad_bytes, in_bytes, out_bytes
     program.synthetic_data = synthetic
+    _place(program, step_graph, capture, strategy, training=True, di=di, ga=ga, rf=rf,
+           auto_round=auto_round)
 
     bar.set_description("Tile mapping"); bar.update(1)
+    _map_training(step_graph, update_graph, target)
     variables = {}
-    cursor = map_graph(step_graph, target, 0, variables)
-    map_graph(update_graph, target, cursor, variables)
+    cursor = map_graph(step_graph, target, None, variables, input_ipus(step_graph))
+    map_graph(update_graph, target, cursor, variables, input_ipus(update_graph))
     costs, memory, cycles = _plan(program, target, amp, variables, allow_oom, bar)
     step_fn = compile_graph(step_graph)
     update_fn = compile_graph(update_graph)
@@ -185,8 +274,9 @@ def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False):
     _replace_call(program.main, graph)
     variables = {}
     step = program.graphs["training_step"]
-    cursor = map_graph(step, compiled.target, 0, variables)
-    map_graph(graph, compiled.target, cursor, variables)
+    _map_training(step, graph, compiled.target)
+    cursor = map_graph(step, compiled.target, None, variables, input_ipus(step))
+    map_graph(graph, compiled.target, cursor, variables, input_ipus(graph))
     compiled.costs, compiled.memory, compiled.cycles = _plan(
         program, compiled.target, amp, variables, allow_oom)
     compiled.update_fn = compile_graph(graph)
@@ -207,7 +297,7 @@ def _replace_call(step, graph):
 
 def compile_inference(model, args, kwargs, *, di, rf, target, amp=0.6,
                       show_progress=True, allow_oom=False, out_bytes_fn=None,
-                      synthetic=False):
+                      synthetic=False, strategy=None, auto_round=False):
     t0 = time.perf_counter()
     bar = _stages(show_progress, "Graph compilation")
     bar.set_description("Tracing"); bar.update(1)
@@ -224,9 +314,11 @@ def compile_inference(model, args, kwargs, *, di, rf, target, amp=0.6,
     program = Program("inference", {"inference_forward": graph},
                       Repeat(di, body, "device_iteration"), rf, di, 1, in_bytes, out_bytes,
                       synthetic_data=synthetic)
+    _place(program, graph, capture, strategy, training=False, di=di, ga=1, rf=rf,
+           auto_round=auto_round)
     bar.set_description("Tile mapping"); bar.update(1)
     variables = {}
-    map_graph(graph, target, 0, variables)
+    map_graph(graph, target, None, variables, input_ipus(graph))
     costs, memory, cycles = _plan(program, target, amp, variables, allow_oom, bar)
     fn = compile_graph(graph)
     bar.update(1); bar.close()

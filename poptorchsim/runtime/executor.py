@@ -212,16 +212,18 @@ class PoplarExecutor:
         show = o.show_compilation_progress_bar
         out_bytes = self._output_bytes_fn(di, ga, rf)
         synthetic = bool(o._values.get("synthetic_data", False))
+        strategy = getattr(o, "execution_strategy", None)
         if self._training:
             compiled = compiler.compile_training(
                 self._user_model, self._optimizer, micro[0], micro[1], di=di, ga=ga, rf=rf,
                 target=self._target, amp=amp, show_progress=show, allow_oom=allow_oom,
-                out_bytes_fn=out_bytes, synthetic=synthetic)
+                out_bytes_fn=out_bytes, synthetic=synthetic, strategy=strategy,
+                auto_round=o.auto_round_num_ipus)
         else:
             compiled = compiler.compile_inference(
                 self._user_model, micro[0], micro[1], di=di, rf=rf, target=self._target,
                 amp=amp, show_progress=show, allow_oom=allow_oom, out_bytes_fn=out_bytes,
-                synthetic=synthetic)
+                synthetic=synthetic, strategy=strategy, auto_round=o.auto_round_num_ipus)
         if self._training and rf > 1 and o.broadcast_buffers:
             step = compiled.program.graphs["training_step"]
             names = compiled.capture.buffer_names

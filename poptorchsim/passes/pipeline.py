@@ -1,0 +1,173 @@
+"""Pipeline stages: which stage and IPU every op runs on, and the schedule.
+
+* ``assign_stages``: forward ops take the stage and IPU of the block they
+  were traced in (``BeginBlock``/``Block``); ops traced before any block go
+  with the first stage.  The backward pass starts at the first op after the
+  forward that has no block; each backward op runs in the stage of the
+  earliest stage it reads from, so the gradient of a layer is computed on the
+  IPU that holds the layer.  Optimizer-update ops run on their parameter's IPU.
+* ``check_rules``: PopTorch's rules, before compiling, with its texts.
+* ``schedule``: PopTorch's pipeline: N forward stages and N-1 backward stages
+  (the last forward stage fused with the first backward one), so S = 2N-1
+  stages in training and N in inference.  Each pipeline cycle every IPU runs
+  its forward stage for one micro-batch and its backward stage for an earlier
+  one; a weight update over G micro-batches takes G + S - 1 cycles of the
+  slowest IPU, and for balanced stages the idle share is (S-1)/(G+S-1).
+  Sharded execution runs one stage after another, one IPU at a time.
+"""
+from dataclasses import dataclass, field
+
+from ..errors import Error
+
+
+def assign_stages(graph, stage_of_block, training):
+    """Sets ``op.stage`` and ``op.ipu``; returns {tensor id: (stage, ipu)}.
+
+    Ops carry the block they were traced in, forward and backward alike
+    (capture switches blocks during the backward pass as the gradients cross
+    block boundaries).  Ops with no block (before the first ``BeginBlock``)
+    go with the stage of their inputs, or the first stage."""
+    placed = {}
+    first = min(stage_of_block.values()) if stage_of_block else (0, 0)
+    for op in graph.ops:
+        ins = [placed[t.id] for t in op.input_tensors() if t.id in placed]
+        if op.block is not None and op.block[0] in stage_of_block:
+            where = stage_of_block[op.block[0]]
+        else:
+            where = min(ins) if ins else first
+        op.stage, op.ipu = where
+        op.backward = op.backward and training
+        for t in op.outputs:
+            if t is not None:
+                placed[t.id] = where
+    return placed
+
+
+def place_update(graph, ipu_of_param):
+    """Optimizer-update ops run on the IPU that holds their parameter."""
+    placed = {}
+    for t in graph.inputs:
+        name = t.name.split("/", 1)[-1]
+        if name in ipu_of_param:
+            placed[t.id] = ipu_of_param[name]
+    for op in graph.ops:
+        ipus = [placed[t.id] for t in op.input_tensors() if t.id in placed]
+        op.ipu = max(ipus) if ipus else 0
+        op.stage = 0
+        for t in op.outputs:
+            if t is not None:
+                placed[t.id] = op.ipu
+
+
+def input_ipus(graph):
+    """The IPU of each graph input: that of its first consumer."""
+    found = {}
+    for op in graph.ops:
+        for t in op.input_tensors():
+            found.setdefault(t.id, op.ipu)
+    return {t.name: found.get(t.id, 0) for t in graph.inputs}
+
+
+def stage_map_text(graph, stage_of_block):
+    """Which blocks and how many ops sit on each stage and IPU."""
+    lines = []
+    by_stage = {}
+    for block, (stage, ipu) in stage_of_block.items():
+        by_stage.setdefault((stage, ipu), []).append(block)
+    for (stage, ipu), blocks in sorted(by_stage.items()):
+        n = sum(1 for op in graph.ops if op.stage == stage and not op.backward)
+        lines.append(f"  stage {stage} on IPU {ipu}: blocks {', '.join(map(str, blocks))} "
+                     f"({n} forward ops)")
+    return "\n".join(lines)
+
+
+def num_ipus_needed(stage_of_block):
+    ipus = {ipu for _, ipu in stage_of_block.values()} or {0}
+    return max(len(ipus), max(ipus) + 1)
+
+
+def check_rules(*, training, pipelined, n_stages, di, ga, rf, n_ipus, auto_round,
+                stage_map, logger=None):
+    """PopTorch's pipelining and IPU-count rules, raised before compiling."""
+    total = n_ipus * rf
+    if total > 64:
+        raise Error(f"Too many IPUs requested ({total}). Experiments that need more than "
+                    "64 IPUs require distributed execution.")
+    if total & (total - 1):
+        rounded = 1 << (total - 1).bit_length()
+        msg = (f"The model specifies the use of {total} IPUs, however PopTorch must reserve "
+               f"a minimum of {rounded} in order to allow the model to run, because "
+               "PopTorch must reserve a power of 2 or maximum of 64 IPUs per process. "
+               "Please reconfigure your model to use a different number of IPUs or set "
+               "poptorch.Options().autoRoundNumIPUs(True).")
+        if not auto_round:
+            raise Error(msg + f"\nStage map:\n{stage_map}")
+        if logger is not None:
+            logger.warning(msg)
+    if not pipelined or n_stages <= 1:
+        return
+    if training:
+        needed = 2 * n_stages - 1
+        if ga < needed:
+            raise Error(
+                "poptorch.Options().Training.gradientAccumulation must be greater than or "
+                f"equal to the number of pipeline stages ({needed}) when using "
+                f"poptorch.PipelinedExecution. Please note that a model with {n_stages} "
+                f"pipeline stages in PopTorch will have an additional {n_stages - 1} stages "
+                f"when training.\nStage map:\n{stage_map}\nSet "
+                f"Training.gradientAccumulation({needed}) or more (it is {ga}).")
+    elif di < n_stages:
+        raise Error(
+            "poptorch.Options().deviceIterations must be greater than or equal to the "
+            f"number of pipeline stages ({n_stages}) when using PopTorch.PipelinedExecution."
+            f"\nStage map:\n{stage_map}\nSet deviceIterations({n_stages}) or more (it is {di}).")
+
+
+@dataclass
+class Schedule:
+    kind: str                          # "pipelined", "sharded" or "single"
+    n_stages: int                      # pipeline stages S
+    micro_batches: int                 # G per weight update (or per call in inference)
+    cycles: float                      # one weight update (or inference call), updates excluded
+    bubble: float                      # idle share of IPU time
+    events: list = field(default_factory=list)   # (ipu, name, start, duration) in cycles
+
+
+def schedule(fwd, bwd, ipu_of_stage, micro_batches, pipelined, training):
+    """The timeline of one weight update (training) or one call (inference).
+
+    ``fwd[s]``/``bwd[s]``: cycles of forward/backward stage ``s`` for one
+    micro-batch; ``ipu_of_stage[s]``: its IPU.
+    """
+    n = len(fwd)
+    g = micro_batches
+    events = []
+    if n <= 1 or not pipelined:
+        t = 0.0
+        for m in range(g):
+            for s in range(n):
+                events.append((ipu_of_stage[s], f"F{s} mb{m}", t, fwd[s]))
+                t += fwd[s]
+            for s in reversed(range(n)) if training else ():
+                events.append((ipu_of_stage[s], f"B{s} mb{m}", t, bwd[s]))
+                t += bwd[s]
+        busy = sum(fwd) + (sum(bwd) if training else 0)
+        n_ipus = len(set(ipu_of_stage)) or 1
+        bubble = 1 - busy * g / (t * n_ipus) if t else 0.0
+        return Schedule("single" if n <= 1 else "sharded", n, g, t, bubble, events)
+    depth = 2 * n - 1 if training else n
+    slot = max(fwd[s] + (bwd[s] if training else 0) for s in range(n))
+    for c in range(g + depth - 1):
+        start = c * slot
+        for s in range(n):
+            m = c - s
+            if 0 <= m < g:
+                events.append((ipu_of_stage[s], f"F{s} mb{m}", start, fwd[s]))
+            if training:
+                mb = c - (depth - 1 - s)
+                if 0 <= mb < g:
+                    events.append((ipu_of_stage[s], f"B{s} mb{mb}", start + fwd[s], bwd[s]))
+    total = (g + depth - 1) * slot
+    busy = sum(d for _, _, _, d in events)
+    bubble = 1 - busy / (total * n) if total else 0.0
+    return Schedule("pipelined", depth, g, total, bubble, events)
