@@ -26,9 +26,11 @@ def _jsonable(value):
 
 def write_report(report, directory):
     """Writes ``profile.json``, ``memory.png``, ``cycles_by_op.png``,
-    ``liveness.png`` and ``index.html`` into ``directory`` (created if need
-    be); returns {"json", "memory", "cycles_by_op", "liveness", "html"} ->
-    path of each file written (no PNG keys without matplotlib)."""
+    ``liveness.png``, ``timeline.png``, ``timeline.json`` (Chrome trace of the
+    pipeline schedule) and ``index.html`` into ``directory`` (created if need
+    be); returns {"json", "memory", "cycles_by_op", "liveness", "timeline",
+    "trace", "html"} -> path of each file written (no PNG keys without
+    matplotlib)."""
     os.makedirs(directory, exist_ok=True)
     written = {"json": os.path.join(directory, REPORT_FILE)}
     with open(written["json"], "w") as f:
@@ -45,6 +47,12 @@ def write_report(report, directory):
             path = os.path.join(directory, name)
             draw(report, path)
             written[key], images[key] = path, name
+
+    if report.get("pipeline"):
+        from .plots import chrome_trace
+        written["trace"] = os.path.join(directory, "timeline.json")
+        with open(written["trace"], "w") as f:
+            json.dump(chrome_trace(report), f)
 
     written["html"] = os.path.join(directory, "index.html")
     with open(written["html"], "w", encoding="utf-8") as f:

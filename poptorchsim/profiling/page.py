@@ -116,5 +116,16 @@ def render(report, images, missing_plots=None, top_ops=20):
 
     parts.append("<h2>Liveness</h2>")
     image("liveness", "live bytes over the program")
+    pipe = report.get("pipeline") or {}
+    if pipe:
+        parts.append("<h2>Schedule</h2>")
+        parts.append(f"<p>{escape(pipe['kind'])}: {pipe['stages']} pipeline stages on "
+                     f"{pipe['ipus']} IPU(s), {pipe['micro_batches']} micro-batches, bubble "
+                     f"{100 * pipe['bubble']:.1f}%. Chrome trace: "
+                     '<a href="timeline.json">timeline.json</a> (open in chrome://tracing '
+                     "or ui.perfetto.dev).</p>")
+        if pipe.get("stage_map"):
+            parts.append(f"<pre>{escape(pipe['stage_map'])}</pre>")
+        image("timeline", "pipeline timeline per IPU")
     parts.append("</body></html>")
     return "\n".join(parts)

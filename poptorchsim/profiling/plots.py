@@ -192,6 +192,50 @@ def plot_liveness(report, path):
     _save(fig, path)
 
 
+def plot_timeline(report, path):
+    """One row per IPU: forward and backward stages of each micro-batch over
+    one weight update (or one inference call), with the bubble."""
+    pipe = report.get("pipeline") or {}
+    events = pipe.get("events", [])
+    ipus = sorted({e["ipu"] for e in events}) or [0]
+    fig = _figure(11, 1.2 + 0.55 * len(ipus))
+    ax = fig.add_subplot()
+    if len(events) > 4000:                      # keep drawing cheap
+        events = events[:4000]
+    for e in events:
+        backward = e["name"].startswith("B")
+        ax.broken_barh([(e["start_us"], e["duration_us"])], (e["ipu"] - 0.4, 0.8),
+                       facecolors=NOT_ALWAYS if backward else ALWAYS,
+                       edgecolors="white", linewidth=0.5)
+        if e["duration_us"] > 0 and len(events) <= 200:
+            ax.text(e["start_us"] + e["duration_us"] / 2, e["ipu"], e["name"].split()[1][2:],
+                    ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(ipus)
+    ax.set_yticklabels([f"IPU {i}" for i in ipus])
+    ax.invert_yaxis()
+    ax.set_xlabel("µs")
+    kind = pipe.get("kind", "single")
+    ax.set_title(f"{kind.capitalize()} schedule: {pipe.get('stages', 1)} stages, "
+                 f"{pipe.get('micro_batches', 1)} micro-batches, bubble "
+                 f"{pipe.get('bubble', 0.0):.1%}  (blue: forward, orange: backward; "
+                 "numbers: micro-batch)")
+    ax.grid(axis="x", alpha=0.3)
+    _margins(fig, left=0.9, bottom=0.5, top=0.4)
+    _save(fig, path)
+
+
+def chrome_trace(report):
+    """The timeline as Chrome trace events (chrome://tracing, Perfetto)."""
+    pipe = report.get("pipeline") or {}
+    events = [{"name": e["name"], "ph": "X", "ts": e["start_us"], "dur": e["duration_us"],
+               "pid": 0, "tid": e["ipu"], "cat": "backward" if e["name"].startswith("B")
+               else "forward"} for e in pipe.get("events", [])]
+    names = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i,
+              "args": {"name": f"IPU {i}"}} for i in sorted({e["tid"] for e in events})]
+    return {"traceEvents": names + events, "displayTimeUnit": "ns"}
+
+
 PLOTS = {"memory": ("memory.png", plot_memory),
          "cycles_by_op": ("cycles_by_op.png", plot_cycles_by_op),
-         "liveness": ("liveness.png", plot_liveness)}
+         "liveness": ("liveness.png", plot_liveness),
+         "timeline": ("timeline.png", plot_timeline)}

@@ -64,4 +64,25 @@ def build_report(compiled, name, samples_per_call):
         },
         "ops": ops,
         "liveness": liveness,
+        "pipeline": _pipeline(program, target),
+        "ipus": [{"ipu": r.ipu, "peak_tile": int(np.argmax(r.total)),
+                  "peak_bytes": int(r.total.max()), "fits": bool(r.total.max() <= r.capacity),
+                  "total": r.total.tolist()}
+                 for r in getattr(memory, "ipus", [memory])],
+    }
+
+
+def _pipeline(program, target):
+    """Stages, IPUs and the timeline of one weight update (cycles -> µs)."""
+    sched = program.schedule
+    if sched is None:
+        return None
+    us = 1e6 / target.clock_hz
+    return {
+        "kind": sched.kind, "stages": sched.n_stages, "forward_stages": program.n_stages,
+        "ipus": program.n_ipus, "ipu_of_stage": list(program.ipu_of_stage),
+        "micro_batches": sched.micro_batches, "bubble": sched.bubble,
+        "cycles": sched.cycles, "stage_map": program.stage_map,
+        "events": [{"ipu": ipu, "name": name, "start_us": start * us, "duration_us": dur * us}
+                   for ipu, name, start, dur in sched.events],
     }
