@@ -25,6 +25,7 @@ stage and IPU (``strategy.assign(blocks)``), following PopTorch's rules:
 import functools
 
 import torch
+import torch.utils._pytree as _pytree
 
 from . import enums
 from .capture import blocks as _blocks
@@ -86,10 +87,11 @@ class Block:
         self.user_id = _block_id(user_id)
         self.ipu_id = ipu_id
         self._previous = []          # a stack, so one Block can be re-entered
+        self._inputs = ()            # tensors entering the block, where known
 
     def __enter__(self):
         self._previous.append(_blocks.current_block())
-        _blocks.enter_block(self.user_id, self.ipu_id)
+        _blocks.enter_block(self.user_id, self.ipu_id, self._inputs)
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -109,8 +111,8 @@ class _BlockHook:
         self.user_id = user_id
         self.ipu_id = ipu_id
 
-    def __call__(self, module, inputs):
-        _blocks.enter_block(self.user_id, self.ipu_id)
+    def __call__(self, module, args, kwargs=None):
+        _blocks.enter_block(self.user_id, self.ipu_id, _tensors(args, kwargs))
 
     def __repr__(self):
         return f"BeginBlock(user_id={self.user_id}, ipu_id={self.ipu_id})"
@@ -128,12 +130,19 @@ class LegacyBeginBlockFn:
         functools.update_wrapper(self, layer_to_call, updated=())
 
     def __call__(self, *args, **kwargs):
-        _blocks.enter_block(self.user_id, self.ipu_id)
+        _blocks.enter_block(self.user_id, self.ipu_id, _tensors(args, kwargs))
         return self._layer_to_call(*args, **kwargs)
 
     def __repr__(self):
         return (f"BeginBlock({self._layer_to_call!r}, user_id={self.user_id}, "
                 f"ipu_id={self.ipu_id})")
+
+
+def _tensors(args, kwargs=None):
+    """The tensors entering a block: the capture side hooks their gradients so
+    that backward ops land in the block of their forward ops."""
+    leaves = _pytree.tree_leaves((args, kwargs or {}))
+    return tuple(t for t in leaves if isinstance(t, torch.Tensor))
 
 
 def _block_hooks(module):
@@ -155,7 +164,8 @@ def BeginBlock(layer_to_call, user_id=None, ipu_id=None):
     if _block_hooks(layer_to_call):
         raise createPoptorchError("module has already been assigned to a block.")
     _check_ids(user_id, ipu_id)
-    layer_to_call.register_forward_pre_hook(_BlockHook(_block_id(user_id), ipu_id))
+    layer_to_call.register_forward_pre_hook(_BlockHook(_block_id(user_id), ipu_id),
+                                            with_kwargs=True)
     return layer_to_call
 
 
@@ -169,7 +179,9 @@ def BlockFunction(user_id=None, ipu_id=None):
     def decorator(func):
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
-            with Block(user_id, ipu_id):
+            block = Block(user_id, ipu_id)
+            block._inputs = _tensors(args, kwargs)
+            with block:
                 return func(*args, **kwargs)
         return wrapper
 

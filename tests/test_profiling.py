@@ -18,7 +18,8 @@ from conftest import ClassifierWithLoss, classification_batch, quiet_options
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-FILES = ("profile.json", "memory.png", "cycles_by_op.png", "liveness.png", "index.html")
+FILES = ("profile.json", "memory.png", "cycles_by_op.png", "liveness.png", "timeline.png",
+         "timeline.json", "index.html")
 
 
 def _train_compiled(options, model=None, batch=8):
@@ -103,8 +104,10 @@ def test_report_without_matplotlib_still_writes_json_and_html(profile_root, tmp_
     (report,) = load_reports(str(profile_root))
     monkeypatch.setitem(sys.modules, "matplotlib", None)     # import raises ImportError
     written = write_report(report, str(tmp_path / "out"))
-    assert set(written) == {"json", "html"}
-    assert sorted(os.listdir(tmp_path / "out")) == ["index.html", "profile.json"]
+    # the Chrome trace of the schedule is JSON: it needs no matplotlib
+    assert set(written) == {"json", "html", "trace"}
+    assert sorted(os.listdir(tmp_path / "out")) == ["index.html", "profile.json",
+                                                    "timeline.json"]
     html = (tmp_path / "out" / "index.html").read_text()
     assert "matplotlib is not installed" in html and ".png" not in html
 
