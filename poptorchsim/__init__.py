@@ -119,3 +119,13 @@ def setLogLevel(level):
         raise ValueError(f"Unknown log level: {level}. Valid values are DEBUG, ERR, INFO, "
                          "OFF, TRACE and WARN")
     logger.setLevel(levels[level])
+
+
+def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=True):
+    """Proposes where to put ``BeginBlock``s to run ``model`` on ``num_ipus``
+    IPUs, balancing cycles and memory from the machine model.  Print the plan
+    to read why; ``.apply(model)`` adds the blocks.  ``example_inputs``: one
+    micro-batch."""
+    from .runtime.autosplit import suggest_split as _suggest
+    return _suggest(model, num_ipus, *example_inputs, optimizer=optimizer,
+                    training=training)

@@ -111,12 +111,14 @@ def test_backward_of_a_block_returns_to_the_previous_block(how):
     with capture_blocks.recording() as log:
         x = torch.randn(2, 3, requires_grad=True)
         h = first(x)
-        h.register_hook(lambda g: seen.append(capture_blocks.current_block()))
         y = second(h)
         if how != "BlockFunction":
             assert capture_blocks.current_block() == ("B", 1)
+        Block.start("C", 2)
+        # runs after the capture side's hook on h, registered when B began
+        h.register_hook(lambda g: seen.append(capture_blocks.current_block()))
         y.sum().backward()
-    assert log == [("A", 0), ("B", 1)]
+    assert log == [("A", 0), ("B", 1), ("C", 2)]
     assert seen == [("A", 0)]
 
 
