@@ -27,3 +27,20 @@ def test_basics_tutorial_runs_and_reports_accuracy():
     assert match, f"the last line does not report an accuracy: {lines[-1]!r}"
     # two well-separated blobs: anything below 90% means training went wrong
     assert 90.0 <= float(match.group(1)) <= 100.0, lines[-1]
+
+
+def test_memory_profiling_tutorial(tmp_path):
+    result = _run_tutorial("tutorials/memory_profiling/memory_profiling.py", "--small",
+                           "--out", str(tmp_path))
+    assert result.returncode == 0, (
+        f"memory_profiling.py --small exited with {result.returncode}\n"
+        f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-4000:]}")
+    assert "Out of memory on tile" in result.stdout, result.stdout[-4000:]
+    # the model that does not fit, profiled anyway, and the fixed one that trained
+    for model in ("too_big", "fixed"):
+        for name in ("profile.json", "memory.png", "cycles_by_op.png", "liveness.png",
+                     "index.html"):
+            path = tmp_path / model / name
+            assert path.is_file() and path.stat().st_size > 0, f"missing report file {path}"
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert re.match(r"Done in \d+(?:\.\d+)? s\.", lines[-1]), lines[-1]

@@ -11,6 +11,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..capture import optimizers as opt_rules
+from ..errors import Error
 from ..capture.trace import capture_inference, capture_training, capture_update
 from ..ir.graph import (AllReduce, Call, DeviceToHost, HostToDevice, Program, Repeat,
                         Sequence)
@@ -161,6 +162,17 @@ def _place(program, graph, capture, strategy, *, training, di, ga, rf, auto_roun
     else:
         stage_of_block = {}
     assign_stages(graph, stage_of_block, training)
+    order = [stage_of_block[b][0] for b, _ in dict.fromkeys(capture.blocks)
+             if b in stage_of_block]
+    for earlier, later in zip(order, order[1:]):
+        if later < earlier:
+            raise Error(
+                f"Pipeline stage ids must ascend in the order the model runs its blocks, "
+                f"but stage {later} runs after stage {earlier} (PopTorch: BeginBlock order "
+                "must follow execution order).\nStage map:\n"
+                + stage_map_text(graph, stage_of_block)
+                + "\nGive later blocks higher ipu_ids, or use "
+                "poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement).")
     stages = sorted({s for s, _ in stage_of_block.values()}) or [0]
     # renumber stages densely, in order
     dense = {s: i for i, s in enumerate(stages)}
