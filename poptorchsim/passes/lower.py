@@ -115,4 +115,34 @@ def lower(gm, name, roles):
             f"The model uses {len(unsupported)} operation(s) that poptorchsim cannot "
             "place on the IPU:\n" + "\n".join(lines) + "\nReplace them with supported "
             "operations, or compute them on the host before calling the model.")
+    _share_available_memory(graph)
     return verify_graph(graph)
+
+
+def _share_available_memory(graph):
+    """Gradient matmuls and convolutions take the available-memory proportion
+    of the forward op they differentiate (as PopART's grad ops copy it): those
+    that read the same weight, or produce its gradient, in the same block."""
+    root = {}
+    for op in graph.ops:
+        if op.cost_class == "view" and op.outputs and op.outputs[0] is not None:
+            ins = op.input_tensors()
+            if ins:
+                root[op.outputs[0].id] = root.get(ins[0].id, ins[0])
+    annotated = []
+    for op in graph.ops:
+        if op.available_memory is not None and op.cost_class in ("matmul", "conv"):
+            weights = [root.get(t.id, t) for t in op.input_tensors()]
+            weights = [w for w in weights if w.role == "param"]
+            annotated.append((op, weights))
+    for fwd, weights in annotated:
+        shapes = {w.shape for w in weights} | {tuple(reversed(w.shape)) for w in weights}
+        ids = {w.id for w in weights}
+        for op in graph.ops:
+            if op is fwd or op.cost_class not in ("matmul", "conv") or \
+                    op.available_memory is not None or op.block != fwd.block:
+                continue
+            reads = any(root.get(t.id, t).id in ids for t in op.input_tensors())
+            makes = any(t is not None and t.shape in shapes for t in op.outputs)
+            if reads or makes:
+                op.available_memory = fwd.available_memory

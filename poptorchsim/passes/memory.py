@@ -124,6 +124,8 @@ def _live_usage(graph, tiles, temps, ipu=0):
             if (t is not None and t.role == "activation" and t.nbytes and t.id not in skip
                     and t.mapping.ipu == ipu):
                 r = find(t)
+                if r.role != "activation":      # a view of a variable: no new memory
+                    continue
                 buffers[r.id] = r
                 first.setdefault(r.id, k)
                 last[r.id] = max(last.get(r.id, k), k)

@@ -395,7 +395,10 @@ class PoplarExecutor:
         kind = opt_rules.optimizer_kind(optimizer)
         flags = [opt_rules.group_settings(kind, g)[1] for g in optimizer.param_groups]
         if (kind, flags, compiler.max_grad_norm(optimizer)) != old:
-            compiler.rebuild_update(self._compiled, self._user_model, optimizer)
+            o = self._options
+            compiler.rebuild_update(self._compiled, self._user_model, optimizer,
+                                    amp=o.available_memory_proportion.get("IPU0", 0.6),
+                                    allow_oom=allow_out_of_memory(o))
             self._engine.update_fn = self._compiled.update_fn
             self._load_optimizer_state()
         elif new_object:
