@@ -1,4 +1,5 @@
 """The tutorials run end to end (their --small variants, as CI runs them)."""
+import json
 import os
 import re
 import subprocess
@@ -42,5 +43,25 @@ def test_memory_profiling_tutorial(tmp_path):
                      "index.html"):
             path = tmp_path / model / name
             assert path.is_file() and path.stat().st_size > 0, f"missing report file {path}"
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert re.match(r"Done in \d+(?:\.\d+)? s\.", lines[-1]), lines[-1]
+
+
+def test_pipelining_tutorial(tmp_path):
+    result = _run_tutorial("tutorials/pipelining/pipelining.py", "--small",
+                           "--out", str(tmp_path))
+    assert result.returncode == 0, (
+        f"pipelining.py --small exited with {result.returncode}\n"
+        f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-4000:]}")
+    # PopTorch's training rule for pipelines, caught and printed
+    assert "gradientAccumulation must be greater than or equal to" in result.stdout, (
+        result.stdout[-4000:])
+    # the pipelined model's schedule, as a picture and as a Chrome trace
+    for name in ("timeline.png", "timeline.json"):
+        path = tmp_path / "pipelined" / name
+        assert path.is_file() and path.stat().st_size > 0, f"missing report file {path}"
+    trace = json.loads((tmp_path / "pipelined" / "timeline.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+    assert "F0 mb0" in names and "B3 mb6" in names, sorted(names)[:10]
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert re.match(r"Done in \d+(?:\.\d+)? s\.", lines[-1]), lines[-1]
