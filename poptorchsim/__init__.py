@@ -121,11 +121,15 @@ def setLogLevel(level):
     logger.setLevel(levels[level])
 
 
-def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=True):
+def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=True,
+                  options=None):
     """Proposes where to put ``BeginBlock``s to run ``model`` on ``num_ipus``
     IPUs, balancing cycles and memory from the machine model.  Print the plan
     to read why; ``.apply(model)`` adds the blocks.  ``example_inputs``: one
-    micro-batch."""
+    micro-batch; ``options``: the IPU model to plan for
+    (``Options.useIpuModelVersion``), else the environment's."""
+    from .machine.targets import default_target
     from .runtime.autosplit import suggest_split as _suggest
+    version = options._values.get("ipu_model_version") if options is not None else None
     return _suggest(model, num_ipus, *example_inputs, optimizer=optimizer,
-                    training=training)
+                    training=training, target=default_target(version))

@@ -138,12 +138,27 @@ def _live_usage(graph, tiles, temps, ipu=0):
         if r.id in buffers:
             last[r.id] = n_ops - 1
     ids = list(buffers)
+    # Pipelined training keeps ("stashes") a stage's activations that its
+    # backward reads for every micro-batch in flight: 2(N-1-s)+1 of them.
+    stash = getattr(graph, "stash_depth", None)
+    scale = np.ones(len(ids))
+    if stash:
+        producer_stage = {}
+        for op in graph.ops:
+            for t in op.outputs:
+                if t is not None and not op.backward:
+                    producer_stage[find(t).id] = op.stage
+        read_by_backward = {find(t).id for op in graph.ops if op.backward
+                            for t in op.input_tensors()}
+        for n, i in enumerate(ids):
+            if i in producer_stage and i in read_by_backward:
+                scale[n] = stash.get(producer_stage[i], 1)
     start = np.array([first[i] for i in ids], dtype=np.int64)
     end = np.array([last[i] for i in ids], dtype=np.int64)
     steps = np.arange(n_ops)[:, None]
     live = (steps >= start[None, :]) & (steps <= end[None, :])
     per_tensor = (np.stack([buffers[i].mapping.bytes_per_tile(tiles) for i in ids])
-                  if ids else np.zeros((0, tiles)))
+                  * scale[:, None] if ids else np.zeros((0, tiles)))
     return live.astype(np.float64) @ per_tensor + temps, live, [buffers[i] for i in ids]
 
 

@@ -164,6 +164,10 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
                     "were asked for; use fewer IPUs.")
     handles = [m.register_forward_pre_hook(
         lambda mod, args, n=n: _blocks.enter_block(n, 0, args)) for n, m in units]
+    import logging
+    log = logging.getLogger("poptorchsim")
+    level = log.level
+    log.setLevel(logging.ERROR)       # the whole model need not fit one IPU here
     try:
         if training:
             optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.01)
@@ -175,6 +179,7 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
                 model, example_inputs, {}, di=1, rf=1, target=target, show_progress=False,
                 allow_oom=True, strategy=_OneStagePerBlock())
     finally:
+        log.setLevel(level)
         for h in handles:
             h.remove()
     name = "training_step" if training else "inference_forward"
@@ -188,7 +193,11 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
         i = index.get(op.stage, 0)
         cycles[i] += cost.total
         memory[i] += sum(t.nbytes for t in op.outputs if t is not None)
-    state_per_param = 3 if training else 1      # weight, gradient, optimizer state
+    # weight, plus its gradient and optimizer state when training
+    state_per_param = 1
+    if training:
+        from ..capture.optimizers import RULES
+        state_per_param = 2 + len(RULES[compiled.optimizer_kind][0])
     for i, (n, m) in enumerate(units):
         memory[i] += state_per_param * sum(p.numel() * p.element_size()
                                            for p in m.parameters())

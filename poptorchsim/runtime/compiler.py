@@ -186,6 +186,9 @@ def _place(program, graph, capture, strategy, *, training, di, ga, rf, auto_roun
     program.n_stages, program.ipu_of_stage = len(stages), ipu_of_stage
     program.n_ipus = num_ipus_needed(stage_of_block)
     program.pipelined = pipelined and len(stages) > 1
+    n = len(stages)
+    graph.stash_depth = ({s: 2 * (n - 1 - s) + 1 for s in range(n)}
+                         if program.pipelined and training else None)
     check_rules(training=training, pipelined=pipelined, n_stages=len(stages), di=di, ga=ga,
                 rf=rf, n_ipus=program.n_ipus, auto_round=auto_round,
                 stage_map=program.stage_map, logger=logging.getLogger("poptorchsim"))
