@@ -386,13 +386,9 @@ def main():
     # -----------------------------------------------------------------------
     auto = DeepMLP()                                   # no BeginBlocks
     x, y = one_call(1)                                 # one micro-batch
-    # suggest_split takes no Options: it plans for the default IPU, which this
-    # variable sets (Mk2 otherwise)
-    os.environ["POPTORCHSIM_IPU_MODEL_VERSION"] = "ipu1"
-    poptorch.setLogLevel("ERR")     # it measures the whole model on one IPU: a warning
-    plan = poptorch.suggest_split(auto, IPUS, x, y, optimizer=adam(auto))
-    poptorch.setLogLevel("WARN")
-    del os.environ["POPTORCHSIM_IPU_MODEL_VERSION"]
+    # options: the IPU model to plan for (Mk2 otherwise)
+    plan = poptorch.suggest_split(auto, IPUS, x, y, optimizer=adam(auto),
+                                  options=poptorch.Options().useIpuModelVersion("ipu1"))
     print(textwrap.indent(str(plan), "  | "))
     plan.apply(auto)
     training_model = poptorch.trainingModel(auto, training_options(G), adam(auto))
