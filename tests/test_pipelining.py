@@ -256,3 +256,32 @@ def test_pipelined_training_stashes_activations_of_early_stages():
     # stage 0 keeps 2(N-1-0)+1 = 7 micro-batches in flight; sharded keeps one
     extra = live_bytes(poptorch.PipelinedExecution()) - live_bytes(poptorch.ShardedExecution())
     assert extra >= 0.9 * 6 * activation
+
+
+def test_block_scopes_place_backward_ops_with_their_forward_ops():
+    """``with Block(...)`` passes no inputs: capture follows the tensors that
+    cross blocks, so each layer's gradients are computed on its own IPU."""
+    class Scoped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 4)
+            self.loss = nn.CrossEntropyLoss()
+
+        def forward(self, x, y):
+            with poptorch.Block("A", ipu_id=0):
+                h = torch.relu(self.fc1(x))
+            with poptorch.Block("B", ipu_id=1):
+                out = self.fc2(h)
+                return out, self.loss(out, y)
+
+    model = Scoped()
+    tm = poptorch.trainingModel(model, opts(ga=3), torch.optim.SGD(model.parameters(), lr=0.1))
+    tm.compile(torch.randn(6, 8), torch.randint(0, 4, (6,)))
+    graph = tm.getIR().graphs["training_step"]
+    grads = dict(zip([t.name for t in tm.getIR().graphs["optimizer_update"].inputs
+                      if t.role == "accumulator"], graph.outputs[2:6]))
+    stage = {t.name: op.stage for op in graph.ops for t in op.outputs if t is not None}
+    assert stage[grads["grad/fc2.weight"].name] == 1
+    assert stage[grads["grad/fc1.weight"].name] == 0
+    relu_backward = [op for op in graph.ops if op.backward and "threshold" in op.name]
+    assert [op.stage for op in relu_backward] == [0]

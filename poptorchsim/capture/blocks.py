@@ -11,6 +11,8 @@ import threading
 
 import torch
 import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 
 _state = threading.local()
 
@@ -49,9 +51,15 @@ def _switch_to(block):
 
 
 def begin_backward():
-    """What autograd traces from now on is the backward pass."""
-    if _log() is not None:
-        fx_traceback.current_meta.setdefault("custom", {})["backward"] = True
+    """What autograd traces from now on is the backward pass.  It starts in
+    the block the forward pass ended in (the last one entered, when a
+    ``Block`` scope has closed already)."""
+    log = _log()
+    if log is not None:
+        custom = fx_traceback.current_meta.setdefault("custom", {})
+        custom["backward"] = True
+        if custom.get("block") is None and log:
+            custom["block"] = log[-1]
 
 
 def leave_block(previous):
@@ -71,12 +79,44 @@ def current_block():
     return fx_traceback.current_meta.get("custom", {}).get("block")
 
 
+class _BlockCrossings(TorchFunctionMode):
+    """Sees every tensor that flows from one block into another (``Block``
+    scopes pass no inputs to ``enter_block``) and hooks its gradient, so the
+    backward pass switches back to the producing block there."""
+
+    def __init__(self):
+        super().__init__()
+        self.produced = {}         # id(tensor) -> block
+        self.keep = []             # the tensors, so their ids stay unique
+        self.hooked = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        custom = fx_traceback.current_meta.get("custom", {})
+        block = custom.get("block")
+        if block is not None and not custom.get("backward"):
+            for t in pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    src = self.produced.get(id(t))
+                    if src is not None and src != block and (id(t), src) not in self.hooked:
+                        self.hooked.add((id(t), src))
+                        t.register_hook(_switch_to(src))
+        out = func(*args, **kwargs)
+        if block is not None and not custom.get("backward"):
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.produced[id(t)] = block
+                    self.keep.append(t)
+        return out
+
+
 @contextlib.contextmanager
 def recording():
-    """While tracing: collect blocks in the order the model enters them."""
+    """While tracing: collect blocks in the order the model enters them, and
+    follow tensors across block boundaries."""
     _state.blocks = []
     try:
-        with fx_traceback.preserve_node_meta():
+        with fx_traceback.preserve_node_meta(), _BlockCrossings():
             fx_traceback.current_meta.pop("custom", None)
             yield _state.blocks
     finally:
