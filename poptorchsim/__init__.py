@@ -95,9 +95,13 @@ def inferenceModel(model, options=None):
         model = model.model
     options = _options_or_default(options)
     if options.Training.gradient_accumulation != 1:
-        raise Error(
-            "You must set poptorch.Options().Training.gradientAccumulation to 1 or leave "
-            "it as its default value (1) when running a poptorch.inferenceModel().")
+        message = ("You must set poptorch.Options().Training.gradientAccumulation to 1 or "
+                   "leave it as its default value (1) when running a "
+                   "poptorch.inferenceModel().")
+        if options.execution_strategy.is_pipelined:
+            message += (" Use poptorch.Options().deviceIterations to process a sufficient "
+                        "number of batches each run for pipelined execution instead.")
+        raise Error(message)
     options._freeze()
     return PoplarExecutor(model, _frozen_clone(options), training=False)
 

@@ -285,3 +285,13 @@ def test_block_scopes_place_backward_ops_with_their_forward_ops():
     assert stage[grads["grad/fc1.weight"].name] == 0
     relu_backward = [op for op in graph.ops if op.backward and "threshold" in op.name]
     assert [op.stage for op in relu_backward] == [0]
+
+
+def test_inference_with_accumulation_points_to_device_iterations():
+    with pytest.raises(poptorch.Error, match="when running a poptorch.inferenceModel\\(\\). Use "
+                       "poptorch.Options\\(\\).deviceIterations to process a sufficient number "
+                       "of batches each run for pipelined execution instead."):
+        poptorch.inferenceModel(Chain(), opts(ga=2))
+    with pytest.raises(poptorch.Error) as info:
+        poptorch.inferenceModel(Chain(), opts(ga=2, strategy=poptorch.ShardedExecution()))
+    assert "pipelined execution" not in str(info.value)
