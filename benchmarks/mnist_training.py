@@ -21,57 +21,16 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
 
 import poptorchsim as poptorch
+
+# The network and its loss wrapper are the MNIST example's.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "mnist"))
+from train import Network, TrainingModelWithLoss  # noqa: E402
 
 BATCH = 8
 DEVICE_ITERATIONS = 50
 LR = 0.05
-
-
-class Block(nn.Module):
-    """Conv2d -> MaxPool2d -> ReLU, as in the tutorial."""
-
-    def __init__(self, in_channels, num_filters, kernel_size, pool_size):
-        super().__init__()
-        self.conv = nn.Conv2d(in_channels, num_filters, kernel_size=kernel_size)
-        self.pool = nn.MaxPool2d(kernel_size=pool_size)
-        self.relu = nn.ReLU()
-
-    def forward(self, x):
-        return self.relu(self.pool(self.conv(x)))
-
-
-class Network(nn.Module):
-    def __init__(self, dropout=0.0):
-        super().__init__()
-        self.layer1 = Block(1, 32, 3, 2)
-        self.layer2 = Block(32, 64, 3, 2)
-        self.layer3 = nn.Linear(1600, 128)
-        self.layer3_act = nn.ReLU()
-        self.layer3_dropout = nn.Dropout(dropout)
-        self.layer4 = nn.Linear(128, 10)
-        self.softmax = nn.Softmax(1)
-
-    def forward(self, x):
-        x = self.layer2(self.layer1(x))
-        x = x.flatten(start_dim=1)
-        x = self.layer3_dropout(self.layer3_act(self.layer3(x)))
-        return self.softmax(self.layer4(x))
-
-
-class TrainingModelWithLoss(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-        self.loss = nn.CrossEntropyLoss()
-
-    def forward(self, args, loss_inputs=None):
-        output = self.model(args)
-        if loss_inputs is None:
-            return output
-        return output, self.loss(output, loss_inputs)
 
 
 def cpu_count():
