@@ -13,7 +13,6 @@ Inference has the forward alone.  Nothing here knows about tiles.
 """
 import contextlib
 import inspect
-import sys
 import threading
 import traceback
 from dataclasses import dataclass, field

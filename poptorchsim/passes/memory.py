@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import OutOfMemoryError
-from ..ir.graph import ALWAYS_LIVE_ROLES
 
 VERTEX_STATE_BYTES = 48        # per op, per tile it runs on
 
