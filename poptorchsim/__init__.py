@@ -19,7 +19,7 @@ from .errors import (BatchDimensionError, DataDependentError, Error, InputMismat
                      LossError, OutOfMemoryError, RecoverableError, UnrecoverableError,
                      UnsupportedOperationError, createPoptorchError)
 from .ops import identity_loss, ipuHardwareIsAvailable, isRunningOnIpu, set_available_memory
-from .options import Options
+from .options import Options, TensorLocationSettings
 from .runtime.executor import PoplarExecutor
 
 __version__ = "0.1.0"

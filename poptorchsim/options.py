@@ -172,6 +172,95 @@ class _DistributedOptions(_OptionsDict):
         return self.num_distributed_processes
 
 
+class TensorLocationSettings(_OptionsDict):
+    """Where one kind of tensor lives: on chip or in Streaming Memory, and
+    whether it is sharded across replicas (replicated tensor sharding).
+
+    >>> opts = Options()
+    >>> opts.TensorLocations.setOptimizerLocation(
+    ...     TensorLocationSettings().useOnChipStorage(False)
+    ...     .useReplicatedTensorSharding(True))       # doctest: +ELLIPSIS
+    _TensorLocationOptions(...)
+
+    Settings left unset keep Poplar's defaults: on chip, no sharding, at least
+    2 elements to go off chip and 8192 to be sharded.
+    """
+
+    def __init__(self):
+        super().__init__()
+
+    def minElementsForOffChip(self, min_elements):
+        """Tensors with fewer elements stay on chip."""
+        assert isinstance(min_elements, int)
+        return self.createOrSet(minElementsForOffChip=min_elements)
+
+    def minElementsForReplicatedTensorSharding(self, min_elements):
+        """Only tensors with at least this many elements are sharded."""
+        assert isinstance(min_elements, int)
+        return self.createOrSet(minElementsForReplicatedTensorSharding=min_elements)
+
+    def useOnChipStorage(self, use=True):
+        """True: In-Processor Memory; False: Streaming Memory; None: unset."""
+        if use is None:
+            self.deleteIfExists("onChip")
+            return self
+        assert isinstance(use, bool)
+        return self.createOrSet(onChip=int(use))
+
+    def useReplicatedTensorSharding(self, use=True):
+        """Shard the tensor across replicas (weights and optimizer state)."""
+        assert isinstance(use, bool)
+        return self.createOrSet(useReplicatedTensorSharding=int(use))
+
+    def useIOTilesToLoad(self, use=True):
+        """Load through the IO tiles (accepted; the simulator has no IO tiles)."""
+        assert isinstance(use, bool)
+        return self.createOrSet(useIOTilesToLoad=int(use))
+
+    def useIOTilesToStore(self, use=True):
+        """Store through the IO tiles (accepted; the simulator has no IO tiles)."""
+        assert isinstance(use, bool)
+        return self.createOrSet(useIOTilesToStore=int(use))
+
+
+class _TensorLocationOptions(_OptionsDict):
+    """``Options.TensorLocations``: ``TensorLocationSettings`` per kind of tensor."""
+
+    def __init__(self):
+        super().__init__(num_io_tiles=0)
+
+    def numIOTiles(self, num_tiles):
+        assert isinstance(num_tiles, int) and 32 <= num_tiles <= 192 and num_tiles % 2 == 0, (
+            "numIOTiles must be an even number between 32 and 192.")
+        return self.set(num_io_tiles=num_tiles)
+
+    def _location(self, key, location):
+        assert isinstance(location, TensorLocationSettings), (
+            f"{key} expects a poptorch.TensorLocationSettings (got {type(location)})")
+        return self.createOrSet(**{key: dict(location._values)})
+
+    def setActivationLocation(self, location):
+        """Activations (used with phased execution)."""
+        return self._location("location_activation", location)
+
+    def setWeightLocation(self, location):
+        """The model's weights."""
+        return self._location("location_weight", location)
+
+    def setOptimizerLocation(self, location):
+        """The optimizer's state (momentum, Adam's moments)."""
+        return self._location("location_optimizer", location)
+
+    def setAccumulatorLocation(self, location):
+        """The gradient accumulators (with gradient accumulation)."""
+        return self._location("location_accumulator", location)
+
+    def settings(self):
+        """``{"weight": {...}, "optimizer": {...}, ...}``: what was set."""
+        return {k[len("location_"):]: dict(v) for k, v in self._values.items()
+                if k.startswith("location_")}
+
+
 class _PrecisionOptions(_OptionsDict):
     def __init__(self):
         super().__init__(enable_floating_point_exceptions=False,
@@ -247,6 +336,7 @@ class Options(_OptionsDict):
         object.__setattr__(self, "_training", _TrainingOptions())
         object.__setattr__(self, "_distributed", _DistributedOptions())
         object.__setattr__(self, "_precision", _PrecisionOptions())
+        object.__setattr__(self, "_tensor_locations", _TensorLocationOptions())
         object.__setattr__(self, "_jit", _JitOptions())
         object.__setattr__(self, "_popart", _PopartOptions())
         object.__setattr__(self, "_execution_strategy", None)   # see execution_strategy
@@ -266,6 +356,10 @@ class Options(_OptionsDict):
     @property
     def Precision(self):
         return self._precision
+
+    @property
+    def TensorLocations(self):
+        return self._tensor_locations
 
     @property
     def Jit(self):

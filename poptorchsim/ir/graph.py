@@ -144,6 +144,34 @@ class AllReduce(Step):
 
 
 @dataclass(eq=False)
+class ReduceScatter(Step):
+    """Sums gradients across replicas; each replica keeps only its shard."""
+    nbytes: int
+    replicas: int
+
+
+@dataclass(eq=False)
+class AllGather(Step):
+    """Rebuilds whole tensors from every replica's shard."""
+    nbytes: int
+    replicas: int
+
+
+@dataclass(eq=False)
+class RemoteLoad(Step):
+    """Loads variables from Streaming Memory onto the tiles (per replica)."""
+    names: list
+    nbytes: int
+
+
+@dataclass(eq=False)
+class RemoteStore(Step):
+    """Stores variables back to Streaming Memory (per replica)."""
+    names: list
+    nbytes: int
+
+
+@dataclass(eq=False)
 class Program:
     kind: str                         # "training" or "inference"
     graphs: dict                      # name -> Graph
@@ -161,6 +189,14 @@ class Program:
     pipelined: bool = False
     stage_map: str = ""
     schedule: Any = None              # passes.pipeline.Schedule of one weight update
+    processes: int = 1                # host processes sharing the replicas
+    locations: dict = field(default_factory=dict)   # variable -> passes.locations.Location
+    sharded_state: set = field(default_factory=set)  # params whose optimizer state is sharded
+
+    @property
+    def total_replicas(self):
+        """Replicas in all processes together."""
+        return self.replicas * self.processes
 
     def __str__(self):
         from .printer import format_program

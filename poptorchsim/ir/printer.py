@@ -1,7 +1,8 @@
 """Readable text for graphs and programs, one line per op."""
 import torch
 
-from .graph import AllReduce, Call, DeviceToHost, HostToDevice, Repeat, Sequence, Tensor
+from .graph import (AllGather, AllReduce, Call, DeviceToHost, HostToDevice, ReduceScatter,
+                    RemoteLoad, RemoteStore, Repeat, Sequence, Tensor)
 
 _DTYPES = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16",
            torch.int64: "i64", torch.int32: "i32", torch.bool: "bool",
@@ -57,6 +58,14 @@ def format_program(program):
             lines.append(f"{pad}stream device->host {step.nbytes} B ({step.mode})")
         elif isinstance(step, AllReduce):
             lines.append(f"{pad}all-reduce {step.nbytes} B across {step.replicas} replicas")
+        elif isinstance(step, ReduceScatter):
+            lines.append(f"{pad}reduce-scatter {step.nbytes} B across {step.replicas} replicas")
+        elif isinstance(step, AllGather):
+            lines.append(f"{pad}all-gather {step.nbytes} B across {step.replicas} replicas")
+        elif isinstance(step, (RemoteLoad, RemoteStore)):
+            verb = "load from" if isinstance(step, RemoteLoad) else "store to"
+            names = ", ".join(step.names[:3]) + (", ..." if len(step.names) > 3 else "")
+            lines.append(f"{pad}{verb} Streaming Memory {step.nbytes} B per replica ({names})")
     visit(program.main, 1)
     text = "\n".join(lines)
     for graph in program.graphs.values():

@@ -99,12 +99,34 @@ class OutputCollector:
         return self.sums if self.mode == "Sum" else self.kept
 
 
+def shard(t, n):
+    """Replicated tensor sharding: ``t`` flattened, zero-padded to a multiple
+    of ``n`` elements and cut into ``n`` equal shards (one per replica)."""
+    flat = t.reshape(-1)
+    size = -(-flat.numel() // n)
+    if size * n != flat.numel():
+        flat = torch.cat([flat, flat.new_zeros(size * n - flat.numel())])
+    return list(flat.view(n, size).clone().unbind(0))
+
+
+def unshard(parts, shape):
+    """The whole tensor of ``shape`` from its shards (an all-gather)."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return torch.cat([p.reshape(-1) for p in parts])[:n].view(shape)
+
+
 class Engine:
     """Device state and the loops that run a compiled program on it."""
 
-    def __init__(self, step_fn, update_fn=None):
+    def __init__(self, step_fn, update_fn=None, shards=None):
         self.step_fn = step_fn
         self.update_fn = update_fn
+        # index of a trainable parameter -> replicas its optimizer state is
+        # sharded over; ``state.opt_state`` then holds one shard per replica
+        self.shards = dict(shards or {})
+        self.reduce = None      # sums gradients across processes (distributed/)
 
     def run_inference(self, params, buffers, inputs, collector, di, rf):
         """``inputs``: tensors shaped [di, 1, rf, micro, ...]."""
@@ -139,12 +161,51 @@ class Engine:
                         collector.add(i, g, r, outs[:n_out])
                         # accumulate (and, across replicas, all-reduce)
                         acc = grads if acc is None else [a + b for a, b in zip(acc, grads)]
-                flat_state = [s for slots in state.opt_state for s in slots]
-                new = self.update_fn(state.params[:n_train] + acc + flat_state
-                                     + state.steps + state.hyper + [state.grad_scale])
-                n_slots = len(state.opt_state[0]) if state.opt_state else 0
-                state.params[:n_train] = new[:n_train]
-                flat = new[n_train:n_train + n_train * n_slots]
-                state.opt_state = [flat[k * n_slots:(k + 1) * n_slots] for k in range(n_train)]
-                state.steps = new[n_train + n_train * n_slots:]
+                if self.reduce is not None:
+                    acc = self.reduce(acc)
+                if self.shards:
+                    self._sharded_update(state, acc)
+                else:
+                    self._update(state, acc)
         return collector.result()
+
+    def _run_update(self, state, params, grads, opt_state):
+        """One call of the update graph: (params, opt_state, steps) after it."""
+        n_train = len(params)
+        flat_state = [s for slots in opt_state for s in slots]
+        new = self.update_fn(params + grads + flat_state
+                             + state.steps + state.hyper + [state.grad_scale])
+        n_slots = len(opt_state[0]) if opt_state else 0
+        flat = new[n_train:n_train + n_train * n_slots]
+        return (new[:n_train], [flat[k * n_slots:(k + 1) * n_slots] for k in range(n_train)],
+                new[n_train + n_train * n_slots:])
+
+    def _update(self, state, acc):
+        n_train = state.n_trainable
+        state.params[:n_train], state.opt_state, state.steps = self._run_update(
+            state, state.params[:n_train], acc, state.opt_state)
+
+    def _sharded_update(self, state, acc):
+        """Replicated tensor sharding of the optimizer state: the summed
+        gradient is cut into shards (the reduce-scatter), every replica
+        updates its shard of the weight and state, and the new weight is put
+        back together (the all-gather).  Unsharded parameters are updated
+        whole by every replica; replica 0's result is kept."""
+        n_train = state.n_trainable
+        params = state.params[:n_train]
+        n = max(self.shards.values())
+        cut_p = {i: shard(params[i], n) for i in self.shards}
+        cut_g = {i: shard(acc[i], n) for i in self.shards}
+        runs = []
+        for r in range(n):
+            runs.append(self._run_update(
+                state,
+                [cut_p[i][r] if i in cut_p else p for i, p in enumerate(params)],
+                [cut_g[i][r] if i in cut_g else g for i, g in enumerate(acc)],
+                [[slot[r] for slot in slots] if i in cut_p else slots
+                 for i, slots in enumerate(state.opt_state)]))
+        new_params, new_state, new_steps = runs[0]
+        for i in self.shards:
+            new_params[i] = unshard([run[0][i] for run in runs], params[i].shape)
+            new_state[i] = [[run[1][i][k] for run in runs] for k in range(len(new_state[i]))]
+        state.params[:n_train], state.opt_state, state.steps = new_params, new_state, new_steps

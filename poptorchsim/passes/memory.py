@@ -27,6 +27,17 @@ class MemoryReport:
     by_tensor: dict = field(default_factory=dict)   # variable -> bytes per tile
     graphs: dict = field(default_factory=dict)      # name -> (usage, live, buffers)
     ipu: int = 0
+    # Tensor locations: variable -> bytes per tile kept off this IPU's tiles
+    # by replicated tensor sharding or Streaming Memory, and the bytes each
+    # replica keeps in Streaming Memory.
+    saved: dict = field(default_factory=dict)
+    streaming_bytes: int = 0
+
+    @property
+    def saved_per_tile(self):
+        """On-chip bytes per tile that tensor locations save."""
+        return (sum(self.saved.values()) if self.saved
+                else np.zeros(len(self.always_live), dtype=np.int64))
 
     @property
     def total(self):
@@ -161,15 +172,36 @@ def _live_usage(graph, tiles, temps, ipu=0):
     return live.astype(np.float64) @ per_tensor + temps, live, [buffers[i] for i in ids]
 
 
-def plan_memory(program, variables, target, costs, ipu=0):
+def plan_memory(program, variables, target, costs, ipu=0, locations=None):
     """The ``MemoryReport`` of ``program`` on IPU ``ipu``.
 
     ``variables``: name -> Tensor of every always-live device variable;
-    ``costs``: graph name -> list of ``OpCost`` (for temporary buffers).
+    ``costs``: graph name -> list of ``OpCost`` (for temporary buffers);
+    ``locations``: name -> ``passes.locations.Location`` of the variables
+    that are sharded across replicas or live in Streaming Memory.  A sharded
+    variable keeps its share on chip; an off-chip one is loaded onto its
+    tiles only while a graph that reads it runs.
     """
     tiles = target.tiles
-    by_tensor = {name: t.mapping.bytes_per_tile(tiles) for name, t in variables.items()
-                 if t.mapping.ipu == ipu}
+    locations = locations or {}
+    by_tensor, saved, loaded, streaming = {}, {}, {}, 0
+    for name, t in variables.items():
+        if t.mapping.ipu != ipu:
+            continue
+        per_tile = t.mapping.bytes_per_tile(tiles)
+        loc = locations.get(name)
+        if loc is None:
+            by_tensor[name] = per_tile
+            continue
+        # per-tile bytes of the full tensor and of one replica's share
+        full = per_tile * (loc.nbytes / max(t.mapping.nbytes, 1))
+        share = full * (loc.replica_bytes / max(loc.nbytes, 1))
+        if loc.off_chip:
+            loaded[name] = share.astype(np.int64)
+            streaming += loc.replica_bytes
+        else:
+            by_tensor[name] = share.astype(np.int64)
+        saved[name] = (full - (0 if loc.off_chip else share)).astype(np.int64)
     always = np.full(tiles, target.code_bytes_per_tile, dtype=np.int64)
     for v in by_tensor.values():
         always += v
@@ -186,11 +218,15 @@ def plan_memory(program, variables, target, costs, ipu=0):
                 if t is not None and op.cost_class != "view":
                     used |= t.mapping.bytes_per_tile(tiles) > 0
             always += used * VERTEX_STATE_BYTES
+        for t in graph.inputs:          # off-chip variables this graph loads
+            if t.name in loaded and len(temps):
+                temps += loaded[t.name]
         usage, live, buffers = _live_usage(graph, tiles, temps, ipu)
         graphs[graph.name] = (usage, live, buffers)
         if len(usage):
             peak = np.maximum(peak, usage.max(axis=0).astype(np.int64))
-    return MemoryReport(target.bytes_per_tile, always, peak, by_tensor, graphs, ipu)
+    return MemoryReport(target.bytes_per_tile, always, peak, by_tensor, graphs, ipu,
+                        saved, streaming)
 
 
 def check_fits(report, target, allow_out_of_memory=False, n_ipus=1):

@@ -43,25 +43,30 @@ class TileMapping:
 _INHERITS = ("view", "elementwise", "transcendental", "random")
 
 
-def map_graph(graph, target, cursor=None, variables=None, input_ipu=None):
+def map_graph(graph, target, cursor=None, variables=None, input_ipu=None, full_bytes=None):
     """Give every tensor of ``graph`` a ``mapping`` on the tile array of the IPU
     that computes it; returns the next start tile of each IPU.
 
     ``variables`` (name -> Tensor) holds device variables mapped by earlier
     graphs: an input of the same name shares that tensor's mapping, and new
     always-live inputs are added to it.  ``input_ipu`` names the IPU of each
-    input (default 0); op results live on ``op.ipu``.
+    input (default 0); op results live on ``op.ipu``.  ``full_bytes`` (name ->
+    bytes) maps an input that the graph reads as one replica's shard at the
+    size of the whole variable it is cut from.
     """
     variables = {} if variables is None else variables
     cursor = {} if cursor is None else cursor
     input_ipu = input_ipu or {}
 
+    full_bytes = full_bytes or {}
+
     def spread(t, ipu):
         grain = target.grain_bytes
-        n_grains = -(-t.nbytes // grain) if t.nbytes else 1
+        nbytes = full_bytes.get(t.name, t.nbytes)
+        n_grains = -(-nbytes // grain) if nbytes else 1
         n = max(1, min(target.tiles, n_grains))
         start = cursor.get(ipu, 0)
-        t.mapping = TileMapping(start % target.tiles, n, t.nbytes, grain, ipu)
+        t.mapping = TileMapping(start % target.tiles, n, nbytes, grain, ipu)
         cursor[ipu] = (start + n) % target.tiles
 
     for t in graph.inputs:

@@ -13,10 +13,11 @@ from tqdm.auto import tqdm
 from ..capture import optimizers as opt_rules
 from ..errors import Error
 from ..capture.trace import capture_inference, capture_training, capture_update
-from ..ir.graph import (AllReduce, Call, DeviceToHost, HostToDevice, Program, Repeat,
-                        Sequence)
+from ..ir.graph import (AllGather, AllReduce, Call, DeviceToHost, HostToDevice, Program,
+                        ReduceScatter, RemoteLoad, RemoteStore, Repeat, Sequence)
 from ..machine.cost import op_cost
 from ..machine.engine import compile_graph
+from ..passes import locations as tensor_locations
 from ..passes.lower import lower
 from ..passes.memory import check_fits, plan_memory
 from ..passes.pipeline import input_ipus
@@ -38,6 +39,7 @@ class Compiled:
     flags: list = field(default_factory=list)
     compile_seconds: float = 0.0
     max_grad_norm: float = None
+    shards: dict = field(default_factory=dict)   # param -> replicas its optimizer state is cut over
 
 
 def _bytes(shapes_dtypes):
@@ -109,16 +111,16 @@ def _estimate(program, costs, target):
             per_tile = grad_bytes / target.tiles / max(len(set(ipu_of_stage)), 1)
             total["compute"] += di * ga * (per_tile / target.vector_bytes)
             total["sync"] += di * ga * target.sync_cycles
-        if rf > 1:
-            # ring all-reduce over IPU-Links
-            link_bytes_per_cycle = target.link_bytes_per_s / target.clock_hz
-            total["exchange"] += di * 2 * (rf - 1) / rf * grad_bytes / link_bytes_per_cycle
-            total["sync"] += di * 2 * (rf - 1) * 1000
         for k in upd:
             total[k] += upd[k] * di / max(len(set(ipu_of_stage)), 1)
+    total["collective"], total["streaming"] = _replication_cycles(program, target)
     host_s = target.call_overhead_s
     if not program.synthetic_data:
-        host_s += (2 * target.host_latency_s * di
+        # Poplar streams every input of every micro-batch of every replica as
+        # its own host copy, and the outputs once per device iteration
+        n_inputs = sum(1 for t in program.graphs[step_name].inputs if t.role == "input")
+        transfers = di * ga * program.replicas * n_inputs + (di if program.out_bytes else 0)
+        host_s += (transfers * target.host_latency_s
                    + (program.in_bytes + program.out_bytes) / target.host_bytes_per_s)
     total["host"] = host_s * target.clock_hz
     total["total"] = sum(total.values())
@@ -127,19 +129,86 @@ def _estimate(program, costs, target):
     return total
 
 
+RING_STEP_SYNC_CYCLES = 1000     # one step of a ring collective: sync across IPUs
+
+
+def _ring_cycles(nbytes, replicas, phases, target):
+    """A ring collective over IPU-Links: ``phases`` = 2 for an all-reduce,
+    1 for a reduce-scatter or an all-gather.  Each of the (R-1) steps of a
+    phase moves 1/R of the tensor over one link and syncs."""
+    if replicas <= 1 or nbytes <= 0:
+        return 0.0
+    link_bytes_per_cycle = target.link_bytes_per_s / target.clock_hz
+    steps = phases * (replicas - 1)
+    return steps * (nbytes / replicas / link_bytes_per_cycle + RING_STEP_SYNC_CYCLES)
+
+
+def _streaming_cycles(nbytes, transfers, program, target):
+    """Moving ``nbytes`` between one replica's tiles and Streaming Memory in
+    ``transfers`` separate copies, while every IPU of the IPU-Machine does
+    the same (they share its gateway)."""
+    if nbytes <= 0:
+        return 0.0
+    sharing = min(target.ipus_per_machine, program.n_ipus * program.total_replicas)
+    seconds = nbytes * sharing / target.streaming_bytes_per_s + transfers * target.host_latency_s
+    return seconds * target.clock_hz
+
+
+def _replication_cycles(program, target):
+    """(collective, streaming) cycles of one call.
+
+    Per weight update: gradients are all-reduced across all replicas (those
+    whose optimizer state is sharded are reduce-scattered, and their new
+    weights all-gathered); sharded weights are all-gathered for every
+    micro-batch; off-chip variables are loaded and stored around the graphs
+    that use them (weights and accumulators every micro-batch, optimizer
+    state once per update).  Bytes per IPU of one replica: with several
+    IPUs per replica, each IPU reduces its own parameters at the same time,
+    so the largest IPU share counts."""
+    di, ga, R = program.device_iterations, program.accumulation, program.total_replicas
+    locs = program.locations
+    training = program.kind == "training"
+    n_ipus = max(program.n_ipus, 1)
+    collective = streaming = 0.0
+    if training:
+        update = program.graphs["optimizer_update"]
+        grads = [t for t in update.inputs if t.role == "accumulator"]
+        sharded = sum(t.mapping.nbytes for t in grads
+                      if t.name.split("/", 1)[1] in program.sharded_state)
+        whole = sum(t.mapping.nbytes for t in grads) - sharded
+        per_update = (_ring_cycles(whole / n_ipus, R, 2, target)
+                      + 2 * _ring_cycles(sharded / n_ipus, R, 1, target))
+        collective += di * per_update
+    weights_rts = sum(loc.nbytes for loc in locs.values() if loc.kind == "weight" and loc.sharded)
+    collective += di * ga * _ring_cycles(weights_rts / n_ipus, R, 1, target)
+    for kind, per_update in (("optimizer", 2), ("weight", ga + (1 if training else 0)),
+                             ("accumulator", 2 * ga)):
+        off = [loc for loc in locs.values() if loc.kind == kind and loc.off_chip]
+        nbytes = sum(loc.replica_bytes for loc in off) / n_ipus
+        streaming += di * _streaming_cycles(nbytes * per_update, len(off) * per_update,
+                                            program, target)
+    return collective, streaming
+
+
 def _stages(show, desc):
     return tqdm(total=5, desc=desc, disable=not show, leave=False,
                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}]")
 
 
-def _plan(program, target, amp, variables, allow_oom, bar=None):
-    """Costs per op, the memory report of every IPU (checked) and the cycle
-    estimate.  Returns (costs, memory of IPU 0 with ``.ipus`` = all, cycles)."""
+def _plan(program, target, amp, variables, allow_oom, bar=None, settings=None):
+    """Costs per op, tensor locations, the memory report of every IPU
+    (checked) and the cycle estimate.  Returns (costs, memory of IPU 0 with
+    ``.ipus`` = all, cycles)."""
     costs = {name: [op_cost(op, target, amp) for op in g.ops]
              for name, g in program.graphs.items()}
     if bar is not None:
         bar.set_description("Memory planning"); bar.update(1)
-    reports = [plan_memory(program, variables, target, costs, ipu)
+    program.locations = tensor_locations.place(
+        variables, settings or {}, program.total_replicas, program.sharded_state,
+        accumulating=program.accumulation > 1)
+    if program.kind == "training":
+        _training_main(program)
+    reports = [plan_memory(program, variables, target, costs, ipu, program.locations)
                for ipu in range(program.n_ipus)]
     for report in reports:
         check_fits(report, target, allow_oom, program.n_ipus)
@@ -200,10 +269,36 @@ def _map_training(step_graph, update_graph, target):
     place_update(update_graph, input_ipus(step_graph))
 
 
+def _check_locations(settings, logger_name="poptorchsim"):
+    import logging
+    if settings.get("activation", {}).get("onChip", 1) == 0:
+        logging.getLogger(logger_name).warning(
+            "TensorLocations.setActivationLocation(useOnChipStorage(False)) only moves "
+            "activations with phased execution (SerialPhasedExecution or "
+            "ParallelPhasedExecution); activations stay on chip.")
+
+
+def _sharded_state(model, optimizer, capture, settings, replicas):
+    """{param: replicas} for the parameters whose optimizer state is sharded."""
+    params = dict(model.named_parameters())
+    numels = {n: params[n].numel() for n in capture.trainable_names}
+    names = tensor_locations.sharded_parameters(settings, numels, replicas)
+    if names and max_grad_norm(optimizer) is not None:
+        raise Error(
+            "max_grad_norm needs the global gradient norm, but replicated tensor sharding "
+            f"of the optimizer state leaves each replica with a shard of {len(names)} "
+            "parameter(s). Drop max_grad_norm, or turn sharding off with "
+            "TensorLocationSettings().useReplicatedTensorSharding(False).")
+    return {n: replicas for n in names}
+
+
 def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
                      amp=0.6, show_progress=True, allow_oom=False, out_bytes_fn=None,
-                     synthetic=False, strategy=None, auto_round=False):
+                     synthetic=False, strategy=None, auto_round=False, locations=None,
+                     processes=1):
     t0 = time.perf_counter()
+    settings = locations or {}
+    _check_locations(settings)
     bar = _stages(show_progress, "Graph compilation")
     kind = opt_rules.optimizer_kind(optimizer)
     by_id = {id(p): n for n, p in model.named_parameters()}
@@ -217,38 +312,89 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
     bar.set_description("Lowering"); bar.update(1)
     step_graph = lower(capture.graph, "training_step", roles)
 
-    update_graph, kind, group_of, flags = _build_update(model, optimizer, capture)
+    shards = _sharded_state(model, optimizer, capture, settings, rf * processes)
+    update_graph, kind, group_of, flags = _build_update(model, optimizer, capture, shards)
     in_bytes = _bytes((t.shape, t.dtype)
                       for t in capture.example_inputs) * ga * rf * di
-    call = Call(step_graph, rf)
-    body = Sequence([HostToDevice(in_bytes // di),
-                     Repeat(ga, call, "accumulation")])
-    grad_bytes = sum(t.nbytes for t in update_graph.inputs if t.role == "accumulator")
-    steps = body.steps
-    if rf > 1:
-        steps.append(AllReduce(grad_bytes, rf))
-    steps.append(Call(update_graph, rf))
-    out_bytes = out_bytes_fn(capture) if out_bytes_fn else 0
-    steps.append(DeviceToHost(out_bytes // max(di, 1), "per output mode"))
     program = Program("training", {"training_step": step_graph,
                                    "optimizer_update": update_graph},
-                      Repeat(di, body, "device_iteration"), rf, di, ga)
-    program.grad_bytes, program.in_bytes, program.out_bytes = grad_bytes, in_bytes, out_bytes
-    program.synthetic_data = synthetic
+                      None, rf, di, ga, processes=processes, sharded_state=set(shards))
+    program.in_bytes, program.synthetic_data = in_bytes, synthetic
+    program.out_bytes = out_bytes_fn(capture) if out_bytes_fn else 0
     _place(program, step_graph, capture, strategy, training=True, di=di, ga=ga, rf=rf,
            auto_round=auto_round)
 
     bar.set_description("Tile mapping"); bar.update(1)
     _map_training(step_graph, update_graph, target)
     variables = {}
-    cursor = map_graph(step_graph, target, None, variables, input_ipus(step_graph))
-    map_graph(update_graph, target, cursor, variables, input_ipus(update_graph))
-    costs, memory, cycles = _plan(program, target, amp, variables, allow_oom, bar)
+    _map_variables(program, target, variables)
+    costs, memory, cycles = _plan(program, target, amp, variables, allow_oom, bar, settings)
     step_fn = compile_graph(step_graph)
     update_fn = compile_graph(update_graph)
     bar.update(1); bar.close()
-    return Compiled(capture, program, target, memory, costs, cycles, step_fn, update_fn,
-                    kind, group_of, flags, time.perf_counter() - t0, max_grad_norm(optimizer))
+    compiled = Compiled(capture, program, target, memory, costs, cycles, step_fn, update_fn,
+                        kind, group_of, flags, time.perf_counter() - t0,
+                        max_grad_norm(optimizer), shards)
+    compiled.location_settings = settings
+    return compiled
+
+
+def _map_variables(program, target, variables):
+    """Tile mappings of the training step and the optimizer update; gradients
+    of sharded state are accumulated whole, so they map at full size."""
+    step, update = program.graphs["training_step"], program.graphs["optimizer_update"]
+    numel = {t.name: t.numel for t in step.inputs if t.role == "param"}
+    full = {}
+    for t in update.inputs:
+        param = t.name.split("/", 1)[-1]
+        if t.role == "accumulator" and param in program.sharded_state:
+            full[t.name] = numel[param] * t.nbytes // max(t.numel, 1)
+    cursor = map_graph(step, target, None, variables, input_ipus(step))
+    map_graph(update, target, cursor, variables, input_ipus(update), full)
+
+
+def _training_main(program):
+    """The control program of a training call, from the tensor locations."""
+    di, ga, rf = program.device_iterations, program.accumulation, program.replicas
+    R = program.total_replicas
+    step, update = program.graphs["training_step"], program.graphs["optimizer_update"]
+    locs = program.locations
+
+    def off(kind):
+        names = [n for n, loc in locs.items() if loc.kind == kind and loc.off_chip]
+        return names, sum(locs[n].replica_bytes for n in names)
+
+    grads = [t for t in update.inputs if t.role == "accumulator"]
+    sharded = sum(t.mapping.nbytes for t in grads
+                  if t.name.split("/", 1)[1] in program.sharded_state)
+    whole = sum(t.mapping.nbytes for t in grads) - sharded
+    micro = []
+    weights_off, weights_off_bytes = off("weight")
+    if weights_off:
+        micro.append(RemoteLoad(weights_off, weights_off_bytes))
+    rts_weights = sum(loc.nbytes for loc in locs.values() if loc.kind == "weight" and loc.sharded)
+    if rts_weights:
+        micro.append(AllGather(rts_weights, R))
+    micro.append(Call(step, rf))
+    body = [HostToDevice(program.in_bytes // di),
+            Repeat(ga, Sequence(micro) if len(micro) > 1 else micro[0], "accumulation")]
+    if R > 1 and whole:
+        body.append(AllReduce(whole, R))
+    if R > 1 and sharded:
+        body.append(ReduceScatter(sharded, R))
+    state_off, state_off_bytes = off("optimizer")
+    if state_off:
+        body.append(RemoteLoad(state_off, state_off_bytes))
+    body.append(Call(update, rf))
+    if state_off:
+        body.append(RemoteStore(state_off, state_off_bytes))
+    if R > 1 and sharded:
+        body.append(AllGather(sharded, R))
+    if weights_off:
+        body.append(RemoteStore(weights_off, weights_off_bytes))
+    body.append(DeviceToHost(program.out_bytes // max(di, 1), "per output mode"))
+    program.grad_bytes = whole + sharded
+    program.main = Repeat(di, Sequence(body), "device_iteration")
 
 
 def max_grad_norm(optimizer):
@@ -257,8 +403,12 @@ def max_grad_norm(optimizer):
     return None if value is None or value == float("inf") else float(value)
 
 
-def _build_update(model, optimizer, capture):
-    """The optimizer-update graph for ``optimizer`` over the trainable params."""
+def _build_update(model, optimizer, capture, shards=None):
+    """The optimizer-update graph for ``optimizer`` over the trainable params.
+
+    A parameter in ``shards`` (name -> R) is updated as one replica's shard:
+    a flat tensor of ceil(numel / R) elements."""
+    shards = shards or {}
     kind = opt_rules.optimizer_kind(optimizer)
     group_index, flags = {}, []
     for gi, group in enumerate(optimizer.param_groups):
@@ -268,7 +418,8 @@ def _build_update(model, optimizer, capture):
     params = dict(model.named_parameters())
     names = capture.trainable_names
     group_of = [group_index[id(params[n])] for n in names]
-    shapes = [tuple(params[n].shape) for n in names]
+    shapes = [(-(-params[n].numel() // shards[n]),) if n in shards else tuple(params[n].shape)
+              for n in names]
     update_fx = capture_update(kind, shapes, group_of, flags, max_grad_norm(optimizer))
     state_names, hyper_names, _ = opt_rules.RULES[kind]
     roles = ([(n, "param") for n in names] + [(f"grad/{n}", "accumulator") for n in names]
@@ -283,37 +434,33 @@ def _build_update(model, optimizer, capture):
 
 def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False):
     """Re-traces only the optimizer update, for a new optimizer type or flags."""
-    graph, kind, group_of, flags = _build_update(model, optimizer, compiled.capture)
+    settings = getattr(compiled, "location_settings", {})
     program = compiled.program
+    shards = _sharded_state(model, optimizer, compiled.capture, settings,
+                            program.total_replicas)
+    graph, kind, group_of, flags = _build_update(model, optimizer, compiled.capture, shards)
     program.graphs["optimizer_update"] = graph
-    _replace_call(program.main, graph)
+    program.sharded_state = set(shards)
     variables = {}
     step = program.graphs["training_step"]
     _map_training(step, graph, compiled.target)
-    cursor = map_graph(step, compiled.target, None, variables, input_ipus(step))
-    map_graph(graph, compiled.target, cursor, variables, input_ipus(graph))
+    _map_variables(program, compiled.target, variables)
     compiled.costs, compiled.memory, compiled.cycles = _plan(
-        program, compiled.target, amp, variables, allow_oom)
+        program, compiled.target, amp, variables, allow_oom, settings=settings)
+    compiled.shards = shards
     compiled.update_fn = compile_graph(graph)
     compiled.optimizer_kind, compiled.group_of, compiled.flags = kind, group_of, flags
     compiled.max_grad_norm = max_grad_norm(optimizer)
     return compiled
 
 
-def _replace_call(step, graph):
-    if isinstance(step, Sequence):
-        for s in step.steps:
-            _replace_call(s, graph)
-    elif isinstance(step, Repeat):
-        _replace_call(step.body, graph)
-    elif isinstance(step, Call) and step.graph.name == graph.name:
-        step.graph = graph
-
-
 def compile_inference(model, args, kwargs, *, di, rf, target, amp=0.6,
                       show_progress=True, allow_oom=False, out_bytes_fn=None,
-                      synthetic=False, strategy=None, auto_round=False):
+                      synthetic=False, strategy=None, auto_round=False, locations=None,
+                      processes=1):
     t0 = time.perf_counter()
+    settings = locations or {}
+    _check_locations(settings)
     bar = _stages(show_progress, "Graph compilation")
     bar.set_description("Tracing"); bar.update(1)
     capture = capture_inference(model, args, kwargs)
@@ -328,13 +475,13 @@ def compile_inference(model, args, kwargs, *, di, rf, target, amp=0.6,
                      DeviceToHost(out_bytes // max(di, 1), "per output mode")])
     program = Program("inference", {"inference_forward": graph},
                       Repeat(di, body, "device_iteration"), rf, di, 1, in_bytes, out_bytes,
-                      synthetic_data=synthetic)
+                      synthetic_data=synthetic, processes=processes)
     _place(program, graph, capture, strategy, training=False, di=di, ga=1, rf=rf,
            auto_round=auto_round)
     bar.set_description("Tile mapping"); bar.update(1)
     variables = {}
     map_graph(graph, target, None, variables, input_ipus(graph))
-    costs, memory, cycles = _plan(program, target, amp, variables, allow_oom, bar)
+    costs, memory, cycles = _plan(program, target, amp, variables, allow_oom, bar, settings)
     fn = compile_graph(graph)
     bar.update(1); bar.close()
     return Compiled(capture, program, target, memory, costs, cycles, fn,

@@ -15,7 +15,7 @@ from .. import enums
 from ..capture import optimizers as opt_rules
 from ..capture.trace import bind_inputs
 from ..errors import BatchDimensionError, Error, InputMismatchError
-from ..machine.engine import Engine, OutputCollector
+from ..machine.engine import Engine, OutputCollector, shard, unshard
 from ..machine.targets import default_target
 from . import compiler
 from .engine_options import allow_out_of_memory, profiling_directory
@@ -218,12 +218,14 @@ class PoplarExecutor:
                 self._user_model, self._optimizer, micro[0], micro[1], di=di, ga=ga, rf=rf,
                 target=self._target, amp=amp, show_progress=show, allow_oom=allow_oom,
                 out_bytes_fn=out_bytes, synthetic=synthetic, strategy=strategy,
-                auto_round=o.auto_round_num_ipus)
+                auto_round=o.auto_round_num_ipus, locations=o.TensorLocations.settings(),
+                processes=o.Distributed.numProcesses)
         else:
             compiled = compiler.compile_inference(
                 self._user_model, micro[0], micro[1], di=di, rf=rf, target=self._target,
                 amp=amp, show_progress=show, allow_oom=allow_oom, out_bytes_fn=out_bytes,
-                synthetic=synthetic, strategy=strategy, auto_round=o.auto_round_num_ipus)
+                synthetic=synthetic, strategy=strategy, auto_round=o.auto_round_num_ipus,
+                locations=o.TensorLocations.settings(), processes=o.Distributed.numProcesses)
         if self._training and rf > 1 and o.broadcast_buffers:
             step = compiled.program.graphs["training_step"]
             names = compiled.capture.buffer_names
@@ -246,12 +248,20 @@ class PoplarExecutor:
             import os
             from ..profiling import write_report
             write_report(self.simulationReport(), os.path.join(directory, self._model_name()))
-        self._engine = Engine(compiled.step_fn, compiled.update_fn)
+        self._engine = Engine(compiled.step_fn, compiled.update_fn, self._shard_index())
         self._input_template = ([torch.empty(t.shape, dtype=t.dtype, device="meta")
                                  if isinstance(t, torch.Tensor) else t for t in leaves],
                                 spec, names)
         self._upload()
         self._attached = True
+
+    def _shard_index(self):
+        """{index of a trainable parameter: replicas} for sharded optimizer state."""
+        c = self._compiled
+        if not self._training or not c.shards:
+            return {}
+        return {i: c.shards[n] for i, n in enumerate(c.capture.trainable_names)
+                if n in c.shards}
 
     def _output_bytes_fn(self, di, ga, rf):
         """Bytes one call streams back to the host, as the output mode asks."""
@@ -331,6 +341,8 @@ class PoplarExecutor:
             if step is None:
                 step = 1.0 if "momentum_buffer" in torch_state and \
                     torch_state["momentum_buffer"] is not None else 0.0
+            if n in c.shards:       # each replica holds its shard
+                slots = [shard(v, c.shards[n]) for v in slots]
             st.opt_state.append(slots)
             st.steps.append(torch.tensor(float(step), dtype=torch.float32))
         self._load_hyperparameters()
@@ -376,7 +388,7 @@ class PoplarExecutor:
                                   self._state.steps):
             entry = self._optimizer.state[params[n]]
             for s, v in zip(state_names, slots):
-                entry[s] = v.clone()
+                entry[s] = (unshard(v, params[n].shape) if n in c.shards else v).clone()
             if c.optimizer_kind != "sgd":
                 entry["step"] = step.clone()
 
@@ -400,6 +412,7 @@ class PoplarExecutor:
                                     amp=o.available_memory_proportion.get("IPU0", 0.6),
                                     allow_oom=allow_out_of_memory(o))
             self._engine.update_fn = self._compiled.update_fn
+            self._engine.shards = self._shard_index()
             self._load_optimizer_state()
         elif new_object:
             self._load_optimizer_state()

@@ -12,8 +12,8 @@ def call_timeline(cycles, target, di, ga, rf, n_inputs, n_outputs, in_bytes, out
     """(perf counters dict, end time) of one call starting at ``start``."""
     clock = target.clock_hz
     device_s = (cycles["total"] - cycles["host"]) / clock / di
-    in_s = target.host_latency_s + in_bytes / di / target.host_bytes_per_s
     micro = ga * rf
+    in_s = target.host_latency_s * micro * n_inputs + in_bytes / di / target.host_bytes_per_s
     keep = {"All": lambda i: True, "EveryN": lambda i: (i + 1) % period == 0,
             "Final": lambda i: i == di - 1, "Sum": lambda i: i == di - 1}[mode]
     per_iter_out = micro if mode in ("All", "EveryN") else rf
