@@ -1,7 +1,8 @@
 """The report as one self-contained HTML page (plots are the PNGs beside it)."""
 from html import escape
 
-from .text import fit_line, fmt_bytes, fmt_count, fmt_seconds, fullest_tiles, op_label
+from .text import (fit_line, fmt_bytes, fmt_count, fmt_seconds, fullest_tiles, locations_lines,
+                   op_label)
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto;
@@ -61,7 +62,8 @@ def render(report, images, missing_plots=None, top_ops=20):
     ]
     split = _table(["", "cycles per call", "share"],
                    [(k, fmt_count(per_call[k]), f"{100 * per_call[k] / total:.1f}%")
-                    for k in ("compute", "exchange", "sync", "host", "total")],
+                    for k in ("compute", "exchange", "sync", "collective", "streaming",
+                              "host", "total") if k in per_call],
                    numeric=(1, 2))
     batch = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in batching.items())
 
@@ -91,6 +93,18 @@ def render(report, images, missing_plots=None, top_ops=20):
                  "state, code, stream buffers); not-always-live memory is each tile's peak "
                  "of intermediate tensors and temporary buffers while a graph runs.</p>")
     image("memory", "memory per tile")
+    loc = report.get("tensor_locations") or {}
+    if loc.get("variables"):
+        parts.append("<h2>Tensor locations</h2>")
+        parts.append(f"<p>{escape(locations_lines(report)[0])}.</p>")
+        parts.append(_table(
+            ["variable", "kind", "elements", "shards", "location", "on chip per replica",
+             "saved per replica"],
+            [(r["name"], r["kind"], fmt_count(r["elements"]), r["shards"],
+              "Streaming Memory" if r["off_chip"] else "on chip",
+              fmt_bytes(r["on_chip_bytes_per_replica"]),
+              fmt_bytes(r["saved_bytes_per_replica"])) for r in loc["variables"]],
+            numeric=(2, 3, 5, 6)))
     fullest = fullest_tiles(report, 10)
     parts.append(_table(["tile", "always-live", "not-always-live", "total", "% of capacity"],
                         [(t, fmt_bytes(mem["always_live"][t]),

@@ -61,10 +61,11 @@ def plot_memory(report, path, zoom_below=0.4):
     mem, target = report["memory"], report["target"]
     always = np.asarray(mem["always_live"], dtype=float)
     total = np.asarray(mem["total"], dtype=float)
+    saved = np.asarray(mem.get("saved_per_tile", np.zeros(len(total))), dtype=float)
     cap = float(mem["capacity"])
     n = len(total)
     peak = mem["peak_tile"]
-    top = total.max(initial=0)
+    top = (total + saved).max(initial=0)
     zoom = 0 < top < zoom_below * cap
     unit, div = byte_unit(max(cap, top))
     edges = np.arange(n + 1) - 0.5
@@ -90,6 +91,9 @@ def plot_memory(report, path, zoom_below=0.4):
                            zorder=0, label=f"tiles over capacity ({int(over.sum())})")
         layer(np.zeros(n), always, color=ALWAYS, label="always-live", zorder=2)
         layer(always, total, color=NOT_ALWAYS, label="not-always-live (peak)", zorder=2)
+        if saved.any():
+            layer(total, total + saved, facecolor="none", edgecolor=ALWAYS, hatch="..",
+                  label="saved by sharding / Streaming Memory", zorder=2)
         if over.any():
             layer(np.full(n, cap), np.maximum(total, cap), facecolor="none",
                   edgecolor=OVER, hatch="////", label="over capacity", zorder=3)

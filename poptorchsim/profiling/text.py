@@ -50,6 +50,25 @@ def op_label(op):
     return f"{op['graph']}/{op['name']}"
 
 
+def locations_lines(report):
+    """What replicated tensor sharding and Streaming Memory do to the program."""
+    loc = report.get("tensor_locations") or {}
+    rows = loc.get("variables") or []
+    if not rows:
+        return []
+    sharded = sum(1 for r in rows if r["shards"] > 1)
+    off = sum(1 for r in rows if r["off_chip"])
+    per_call = report["cycles"]["per_call"]
+    us = 1e6 / report["target"]["clock_hz"]
+    return [f"Tensor locations: {sharded} variable(s) sharded over {loc['replicas']} "
+            f"replicas, {off} in Streaming Memory; saves "
+            f"{fmt_bytes(loc['saved_bytes_per_replica'])} per replica on chip (up to "
+            f"{fmt_bytes(loc['saved_bytes_max_tile'])} on one tile); costs "
+            f"{per_call.get('collective', 0) * us:.0f} us of collectives and "
+            f"{per_call.get('streaming', 0) * us:.0f} us of Streaming Memory transfers "
+            "per call"]
+
+
 def summary(report, top=5):
     """A few readable lines: model, target, memory, the costliest ops, throughput."""
     mem, cyc, target = report["memory"], report["cycles"], report["target"]
@@ -69,8 +88,10 @@ def summary(report, top=5):
     per_call = cyc["per_call"]
     total = per_call["total"] or 1.0
     split = ", ".join(f"{k} {100 * per_call[k] / total:.0f}%"
-                      for k in ("compute", "exchange", "sync", "host"))
+                      for k in ("compute", "exchange", "sync", "collective", "streaming", "host")
+                      if per_call.get(k) or k in ("compute", "exchange", "sync", "host"))
     lines.append(f"Cycles per call: {fmt_count(per_call['total'])} ({split})")
+    lines.extend(locations_lines(report))
     ops = report["ops"][:top]
     if ops:
         lines.append(f"  costliest {len(ops)} ops (cycles per call, share of the call):")

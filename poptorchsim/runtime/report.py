@@ -56,9 +56,11 @@ def build_report(compiled, name, samples_per_call):
             "tiles_over": int((total > memory.capacity).sum()),
             "largest_on_peak_tile": [[n, b] for b, n in memory.largest_on(peak_tile, 10)],
             "always_live_bytes": int(memory.always_live.sum()),
+            "saved_per_tile": memory.saved_per_tile.tolist(),
         },
+        "tensor_locations": _locations(program, memory),
         "cycles": {
-            "per_call": {k: cycles[k] for k in ("compute", "exchange", "sync", "host", "total")},
+            "per_call": {k: cycles.get(k, 0.0) for k in CYCLE_KINDS + ("total",)},
             "seconds_per_call": seconds,
             "samples_per_second": samples_per_call / seconds if seconds else 0.0,
         },
@@ -70,6 +72,25 @@ def build_report(compiled, name, samples_per_call):
                   "total": r.total.tolist()}
                  for r in getattr(memory, "ipus", [memory])],
     }
+
+
+CYCLE_KINDS = ("compute", "exchange", "sync", "collective", "streaming", "host")
+
+
+def _locations(program, memory):
+    """Variables sharded across replicas or kept in Streaming Memory, and
+    what that saves on chip (IPU 0 of a replica)."""
+    saved = memory.saved_per_tile
+    rows = [{"name": name, "kind": loc.kind, "elements": loc.numel, "shards": loc.shards,
+             "off_chip": loc.off_chip, "bytes": loc.nbytes,
+             "on_chip_bytes_per_replica": loc.on_chip_bytes,
+             "saved_bytes_per_replica": loc.saved_bytes}
+            for name, loc in sorted(program.locations.items())]
+    return {"replicas": program.total_replicas, "processes": program.processes,
+            "variables": rows,
+            "saved_bytes_per_replica": sum(r["saved_bytes_per_replica"] for r in rows),
+            "saved_bytes_max_tile": int(saved.max()) if len(saved) else 0,
+            "streaming_bytes_per_replica": int(memory.streaming_bytes)}
 
 
 def _pipeline(program, target):
