@@ -192,6 +192,9 @@ class Program:
     processes: int = 1                # host processes sharing the replicas
     locations: dict = field(default_factory=dict)   # variable -> passes.locations.Location
     sharded_state: set = field(default_factory=set)  # params whose optimizer state is sharded
+    phased: str = ""                  # "serial" or "parallel" phased execution
+    phase_of_stage: list = None       # phase of each stage (phased execution)
+    activations_off_chip: bool = False   # phased: activations wait in Streaming Memory
 
     @property
     def total_replicas(self):

@@ -115,13 +115,16 @@ def _buffers(graph):
     return find
 
 
-def _live_usage(graph, tiles, temps, ipu=0):
+def _live_usage(graph, tiles, temps, ipu=0, op_phase=None):
     """(usage, live, buffers): bytes live on each tile at each op (ops x tiles),
     which buffers are live at each op (ops x buffers), and the buffers.
 
     Each buffer lives from the op that first writes it to the last use of any
     tensor stored in it.  Outputs of a graph that overwrites its variables
-    (the optimizer update, in place as on the IPU) cost nothing extra."""
+    (the optimizer update, in place as on the IPU) cost nothing extra.
+    ``op_phase`` (phased execution with activations sent off chip): the phase
+    of every op; a buffer then occupies the tiles only in the phases that
+    write or read it, and waits in Streaming Memory in between."""
     n_ops = len(graph.ops)
     if n_ops == 0:
         return np.zeros((0, tiles)), np.zeros((0, 0), dtype=bool), []
@@ -167,6 +170,16 @@ def _live_usage(graph, tiles, temps, ipu=0):
     end = np.array([last[i] for i in ids], dtype=np.int64)
     steps = np.arange(n_ops)[:, None]
     live = (steps >= start[None, :]) & (steps <= end[None, :])
+    if op_phase is not None and ids:
+        op_phase = np.asarray(op_phase)
+        touched = {i: set() for i in ids}
+        for k, op in enumerate(graph.ops):
+            for t in list(op.input_tensors()) + [o for o in op.outputs if o is not None]:
+                r = find(t)
+                if r.id in touched:
+                    touched[r.id].add(int(op_phase[k]))
+        for n, i in enumerate(ids):
+            live[:, n] &= np.isin(op_phase, sorted(touched[i]))
     per_tensor = (np.stack([buffers[i].mapping.bytes_per_tile(tiles) for i in ids])
                   * scale[:, None] if ids else np.zeros((0, tiles)))
     return live.astype(np.float64) @ per_tensor + temps, live, [buffers[i] for i in ids]
@@ -184,12 +197,22 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None):
     """
     tiles = target.tiles
     locations = locations or {}
+    phased = getattr(program, "phase_of_stage", None) if getattr(program, "phased", "") else None
+    var_phase = variable_phases(program) if phased else {}
     by_tensor, saved, loaded, streaming = {}, {}, {}, 0
     for name, t in variables.items():
         if t.mapping.ipu != ipu:
             continue
         per_tile = t.mapping.bytes_per_tile(tiles)
         loc = locations.get(name)
+        if name in var_phase and t.role != "hyper":
+            # phased execution: on the tiles only while its phase runs
+            share = per_tile * (loc.replica_bytes / max(t.mapping.nbytes, 1) if loc else 1)
+            loaded[name] = (share.astype(np.int64), var_phase[name])
+            saved[name] = (per_tile * (loc.nbytes / max(t.mapping.nbytes, 1)) if loc
+                           else per_tile).astype(np.int64)
+            streaming += loc.replica_bytes if loc else t.mapping.nbytes
+            continue
         if loc is None:
             by_tensor[name] = per_tile
             continue
@@ -197,7 +220,7 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None):
         full = per_tile * (loc.nbytes / max(t.mapping.nbytes, 1))
         share = full * (loc.replica_bytes / max(loc.nbytes, 1))
         if loc.off_chip:
-            loaded[name] = share.astype(np.int64)
+            loaded[name] = (share.astype(np.int64), None)
             streaming += loc.replica_bytes
         else:
             by_tensor[name] = share.astype(np.int64)
@@ -218,15 +241,41 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None):
                 if t is not None and op.cost_class != "view":
                     used |= t.mapping.bytes_per_tile(tiles) > 0
             always += used * VERTEX_STATE_BYTES
+        op_phase = (np.array([phased[op.stage] for op in graph.ops], dtype=np.int64)
+                    if phased else None)
         for t in graph.inputs:          # off-chip variables this graph loads
             if t.name in loaded and len(temps):
-                temps += loaded[t.name]
-        usage, live, buffers = _live_usage(graph, tiles, temps, ipu)
+                nbytes, phase = loaded[t.name]
+                if phase is None:
+                    temps += nbytes
+                else:
+                    temps[op_phase == phase] += nbytes
+        offload = phased and getattr(program, "activations_off_chip", False)
+        usage, live, buffers = _live_usage(graph, tiles, temps, ipu,
+                                           op_phase if offload else None)
         graphs[graph.name] = (usage, live, buffers)
         if len(usage):
             peak = np.maximum(peak, usage.max(axis=0).astype(np.int64))
     return MemoryReport(target.bytes_per_tile, always, peak, by_tensor, graphs, ipu,
                         saved, streaming)
+
+
+def variable_phases(program):
+    """Phased execution: the phase of every device variable, from the first
+    op that reads it (optimizer state and accumulators follow their
+    parameter)."""
+    phase_of_stage = program.phase_of_stage
+    phases = {}
+    for graph in program.graphs.values():
+        for op in graph.ops:
+            for t in op.input_tensors():
+                if t.role in ("param", "buffer", "state", "accumulator"):
+                    phases.setdefault(t.name, phase_of_stage[op.stage])
+    for name in list(phases):
+        param = name.split("/", 1)[-1]
+        if param in phases:
+            phases[name] = phases[param]
+    return phases
 
 
 def check_fits(report, target, allow_out_of_memory=False, n_ipus=1):

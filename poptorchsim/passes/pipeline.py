@@ -43,20 +43,30 @@ def assign_stages(graph, stage_of_block, training):
     return placed
 
 
-def place_update(graph, ipu_of_param):
-    """Optimizer-update ops run on the IPU that holds their parameter."""
+def place_update(graph, ipu_of_param, stage_of_param=None):
+    """Optimizer-update ops run on the IPU that holds their parameter, in the
+    stage (and so the phase) of the parameter's first use."""
+    stage_of_param = stage_of_param or {}
     placed = {}
     for t in graph.inputs:
         name = t.name.split("/", 1)[-1]
         if name in ipu_of_param:
-            placed[t.id] = ipu_of_param[name]
+            placed[t.id] = (ipu_of_param[name], stage_of_param.get(name, 0))
     for op in graph.ops:
-        ipus = [placed[t.id] for t in op.input_tensors() if t.id in placed]
-        op.ipu = max(ipus) if ipus else 0
-        op.stage = 0
+        found = [placed[t.id] for t in op.input_tensors() if t.id in placed]
+        op.ipu, op.stage = max(found) if found else (0, 0)
         for t in op.outputs:
             if t is not None:
-                placed[t.id] = op.ipu
+                placed[t.id] = (op.ipu, op.stage)
+
+
+def input_stages(graph):
+    """The stage of each graph input: that of its first consumer."""
+    found = {}
+    for op in graph.ops:
+        for t in op.input_tensors():
+            found.setdefault(t.id, op.stage)
+    return {t.name: found.get(t.id, 0) for t in graph.inputs}
 
 
 def input_ipus(graph):

@@ -60,6 +60,10 @@ def render(report, images, missing_plots=None, top_ops=20):
         _card("throughput", f"{fmt_count(cyc['samples_per_second'])} samples/s"),
         _card("cycles per call", fmt_count(per_call["total"])),
     ]
+    rep = report.get("replication") or {}
+    if rep:
+        cards.append(_card("IPUs", f"{rep['ipus']} = {rep['replicas']} replica(s) x "
+                                   f"{rep['ipus_per_replica']}"))
     split = _table(["", "cycles per call", "share"],
                    [(k, fmt_count(per_call[k]), f"{100 * per_call[k] / total:.1f}%")
                     for k in ("compute", "exchange", "sync", "collective", "streaming",
@@ -96,7 +100,7 @@ def render(report, images, missing_plots=None, top_ops=20):
     loc = report.get("tensor_locations") or {}
     if loc.get("variables"):
         parts.append("<h2>Tensor locations</h2>")
-        parts.append(f"<p>{escape(locations_lines(report)[0])}.</p>")
+        parts.append(f"<p>{escape(locations_lines(report)[-1])}.</p>")
         parts.append(_table(
             ["variable", "kind", "elements", "shards", "location", "on chip per replica",
              "saved per replica"],

@@ -54,13 +54,22 @@ def locations_lines(report):
     """What replicated tensor sharding and Streaming Memory do to the program."""
     loc = report.get("tensor_locations") or {}
     rows = loc.get("variables") or []
+    rep = report.get("replication") or {}
+    out = []
+    if rep.get("replicas", 1) > 1:
+        us = 1e6 / report["target"]["clock_hz"]
+        procs = (f" in {rep['processes']} processes" if rep.get("processes", 1) > 1 else "")
+        out.append(f"Replication: {rep['replicas']} replicas{procs} x "
+                   f"{rep['ipus_per_replica']} IPU(s) = {rep['ipus']} IPUs; gradient "
+                   f"collectives over IPU-Links {rep['collective_cycles_per_call'] * us:.0f} "
+                   "us per call")
     if not rows:
-        return []
+        return out
     sharded = sum(1 for r in rows if r["shards"] > 1)
     off = sum(1 for r in rows if r["off_chip"])
     per_call = report["cycles"]["per_call"]
     us = 1e6 / report["target"]["clock_hz"]
-    return [f"Tensor locations: {sharded} variable(s) sharded over {loc['replicas']} "
+    return out + [f"Tensor locations: {sharded} variable(s) sharded over {loc['replicas']} "
             f"replicas, {off} in Streaming Memory; saves "
             f"{fmt_bytes(loc['saved_bytes_per_replica'])} per replica on chip (up to "
             f"{fmt_bytes(loc['saved_bytes_max_tile'])} on one tile); costs "

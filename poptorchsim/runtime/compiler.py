@@ -114,6 +114,9 @@ def _estimate(program, costs, target):
         for k in upd:
             total[k] += upd[k] * di / max(len(set(ipu_of_stage)), 1)
     total["collective"], total["streaming"] = _replication_cycles(program, target)
+    if program.phased:
+        device = total["compute"] + total["exchange"] + total["sync"]
+        total["streaming"] += _phase_streaming(program, target, device)
     host_s = target.call_overhead_s
     if not program.synthetic_data:
         # Poplar streams every input of every micro-batch of every replica as
@@ -250,6 +253,8 @@ def _place(program, graph, capture, strategy, *, training, di, ga, rf, auto_roun
     ipu_of_stage = [0] * len(stages)
     for s, ipu in stage_of_block.values():
         ipu_of_stage[dense[s]] = ipu
+    if getattr(strategy, "is_phased", False):
+        _phases(program, strategy, stage_of_block, stages)
     pipelined = bool(getattr(strategy, "is_pipelined", True))
     program.stage_map = stage_map_text(graph, stage_of_block) if stage_of_block else ""
     program.n_stages, program.ipu_of_stage = len(stages), ipu_of_stage
@@ -263,10 +268,68 @@ def _place(program, graph, capture, strategy, *, training, di, ga, rf, auto_roun
                 stage_map=program.stage_map, logger=logging.getLogger("poptorchsim"))
 
 
+def _phases(program, strategy, stage_of_block, stages):
+    """Phased execution: the phase of every stage and where activations wait."""
+    from ..enums import Liveness
+    strategy.check(stage_of_block)
+    phase_of = strategy.phase_of_stage()
+    program.phase_of_stage = [phase_of[s] for s in stages]
+    program.phased = "serial" if strategy.serial else "parallel"
+    program.activations_off_chip = (
+        Liveness(getattr(strategy, "tensors_liveness", Liveness.AlwaysLive))
+        != Liveness.AlwaysLive)
+
+
+def _phase_streaming(program, target, device_cycles):
+    """Phased execution moves each phase's weights (and its optimizer state,
+    at the update) between Streaming Memory and the tiles, and activations
+    that cross phases when they wait off chip.  Serial phases wait for their
+    loads; parallel phases load the next phase on the other IPUs while the
+    current one computes, so only what compute cannot hide is paid."""
+    from ..passes.memory import variable_phases
+    training = program.kind == "training"
+    step = program.graphs["training_step" if training else "inference_forward"]
+    di, ga, locs = program.device_iterations, program.accumulation, program.locations
+    phases = variable_phases(program)
+    n_phases = max(program.phase_of_stage) + 1
+
+    def replica_bytes(t):
+        loc = locs.get(t.name)
+        return loc.replica_bytes if loc else t.mapping.nbytes
+
+    graphs = list(program.graphs.values())
+    weights = sum(replica_bytes(t) for t in step.inputs
+                  if t.role in ("param", "buffer") and t.name in phases)
+    state = sum(replica_bytes(t) for g in graphs[1:] for t in g.inputs
+                if t.role in ("state", "accumulator") and t.name in phases)
+    crossing = 0
+    if program.activations_off_chip:
+        phase_of_op = {}
+        for op in step.ops:
+            for t in op.outputs:
+                if t is not None:
+                    phase_of_op[t.id] = program.phase_of_stage[op.stage]
+        seen = set()
+        for op in step.ops:
+            here = program.phase_of_stage[op.stage]
+            for t in op.input_tensors():
+                if phase_of_op.get(t.id, here) != here and t.id not in seen:
+                    seen.add(t.id)
+                    crossing += t.nbytes
+    per_micro = weights * (2 if training else 1) + 2 * crossing
+    per_update = (weights + 2 * state) if training else 0
+    nbytes = di * (ga * per_micro + per_update)
+    transfers = di * n_phases * (ga * (2 if training else 1) + (3 if training else 0))
+    cycles = _streaming_cycles(nbytes, transfers, program, target)
+    if program.phased == "parallel":
+        cycles = max(cycles / n_phases, cycles - device_cycles)
+    return cycles
+
+
 def _map_training(step_graph, update_graph, target):
     """Optimizer updates run on the IPU holding their parameter."""
-    from ..passes.pipeline import place_update
-    place_update(update_graph, input_ipus(step_graph))
+    from ..passes.pipeline import input_stages, place_update
+    place_update(update_graph, input_ipus(step_graph), input_stages(step_graph))
 
 
 def _check_locations(settings, logger_name="poptorchsim"):

@@ -58,6 +58,11 @@ def build_report(compiled, name, samples_per_call):
             "always_live_bytes": int(memory.always_live.sum()),
             "saved_per_tile": memory.saved_per_tile.tolist(),
         },
+        "replication": {"replicas": program.total_replicas, "processes": program.processes,
+                        "replicas_per_process": program.replicas,
+                        "ipus_per_replica": program.n_ipus,
+                        "ipus": program.n_ipus * program.total_replicas,
+                        "collective_cycles_per_call": cycles.get("collective", 0.0)},
         "tensor_locations": _locations(program, memory),
         "cycles": {
             "per_call": {k: cycles.get(k, 0.0) for k in CYCLE_KINDS + ("total",)},
