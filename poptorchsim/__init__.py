@@ -11,6 +11,7 @@ import torch
 
 from . import enums, optim
 from .annotations import (BeginBlock, Block, BlockFunction, BlockId, LegacyBeginBlockFn,
+                          ParallelPhasedExecution, Phase, SerialPhasedExecution,
                           PipelinedExecution, ShardedExecution, Stage,
                           recomputationCheckpoint, removeBlocks)
 from .data import DataLoader
