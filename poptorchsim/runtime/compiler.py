@@ -236,6 +236,9 @@ def _place(program, graph, capture, strategy, *, training, di, ga, rf, auto_roun
     assign_stages(graph, stage_of_block, training)
     order = [stage_of_block[b][0] for b, _ in dict.fromkeys(capture.blocks)
              if b in stage_of_block]
+    if getattr(strategy, "is_phased", False):
+        # phased: stages of one phase may run in any order; phases ascend
+        order = [strategy.phase_of_stage()[s] for s in order]
     for earlier, later in zip(order, order[1:]):
         if later < earlier:
             raise Error(
@@ -318,8 +321,10 @@ def _phase_streaming(program, target, device_cycles):
                     crossing += t.nbytes
     per_micro = weights * (2 if training else 1) + 2 * crossing
     per_update = (weights + 2 * state) if training else 0
-    nbytes = di * (ga * per_micro + per_update)
-    transfers = di * n_phases * (ga * (2 if training else 1) + (3 if training else 0))
+    # each IPU moves its own phases' tensors; they share the gateway
+    n_ipus = max(program.n_ipus, 1)
+    nbytes = di * (ga * per_micro + per_update) / n_ipus
+    transfers = di * n_phases * (ga * (2 if training else 1) + (3 if training else 0)) / n_ipus
     cycles = _streaming_cycles(nbytes, transfers, program, target)
     if program.phased == "parallel":
         cycles = max(cycles / n_phases, cycles - device_cycles)
