@@ -86,6 +86,8 @@ class PoplarExecutor:
         self._perf = None
         self._sim_clock = 0.0
         self._input_template = None
+        self._group = None              # distributed: the gloo process group
+        self._broadcast_done = False
         self._target = default_target(options._values.get("ipu_model_version"))
         mode = enums.OutputMode(options.output_mode)
         if mode == enums.OutputMode.Default:
@@ -249,11 +251,22 @@ class PoplarExecutor:
             from ..profiling import write_report
             write_report(self.simulationReport(), os.path.join(directory, self._model_name()))
         self._engine = Engine(compiled.step_fn, compiled.update_fn, self._shard_index())
+        self._group = self._process_group()
+        if self._group is not None and self._training:
+            self._engine.reduce = self._group.all_reduce_sum
         self._input_template = ([torch.empty(t.shape, dtype=t.dtype, device="meta")
                                  if isinstance(t, torch.Tensor) else t for t in leaves],
                                 spec, names)
         self._upload()
         self._attached = True
+
+    def _process_group(self):
+        """The gloo group of a distributed run (``Options.Distributed``), or None."""
+        d = self._options.Distributed
+        if d.numProcesses <= 1:
+            return None
+        from ..distributed import process_group
+        return process_group(d.processId, d.numProcesses)
 
     def _shard_index(self):
         """{index of a trainable parameter: replicas} for sharded optimizer state."""
@@ -315,6 +328,10 @@ class PoplarExecutor:
         _, _, rf = self._factors()
         st = self._state
         st.params = [params[n].detach().clone() for n in cap.param_names]
+        if self._group is not None and not self._broadcast_done:
+            # every process starts from process 0's weights (as popdist does)
+            st.params = self._group.broadcast_from_first(st.params)
+            self._broadcast_done = True
         st.buffers = [[buffers[n].detach().clone() for n in cap.buffer_names]
                       for _ in range(rf)]
         if self._training:
@@ -358,7 +375,8 @@ class PoplarExecutor:
         self._state.hyper = hyper
         mean = (self._options.Training.accumulation_and_replication_reduction_type
                 == enums.ReductionType.Mean)
-        self._state.grad_scale = torch.tensor(1.0 / (ga * rf) if mean else 1.0)
+        replicas = rf * self._options.Distributed.numProcesses    # in all processes
+        self._state.grad_scale = torch.tensor(1.0 / (ga * replicas) if mean else 1.0)
 
     def copyWeightsToHost(self):
         """Device -> host: the user's model gets the device weights and buffers."""
