@@ -182,3 +182,27 @@ def test_replication_cost_grows_with_replicas():
     c8 = compiled(None, rf=8).cycleEstimate()["collective"]
     assert 0 < c2 < c8
     assert compiled(None, rf=1).cycleEstimate()["collective"] == 0
+
+
+def test_replication_with_pipelining_counts_every_ipu_and_reduces_per_stage():
+    torch.manual_seed(0)
+    model = ClassifierWithLoss(in_features=256, hidden=64, classes=10)
+    model.fc2 = poptorchsim.BeginBlock(model.fc2, "second", ipu_id=1)
+    model.fc1 = poptorchsim.BeginBlock(model.fc1, "first", ipu_id=0)
+
+    def build(rf):
+        o = quiet_options().replicationFactor(rf)
+        o.Training.gradientAccumulation(4)
+        m = copy.deepcopy(model)
+        tm = poptorchsim.trainingModel(m, o, torch.optim.SGD(m.parameters(), lr=0.1))
+        n = 4 * rf * 2
+        tm.compile(torch.randn(n, 256), torch.randint(0, 10, (n,)))
+        return tm
+
+    tm = build(2)
+    rep = tm.simulationReport()["replication"]
+    assert (rep["replicas"], rep["ipus_per_replica"], rep["ipus"]) == (2, 2, 4)
+    assert rep["collective_cycles_per_call"] > 0
+    assert build(1).cycleEstimate()["collective"] == 0
+    with pytest.raises(poptorchsim.Error, match="Too many IPUs requested"):
+        build(64)
