@@ -62,19 +62,19 @@ def place_update(graph, ipu_of_param, stage_of_param=None):
 
 def input_stages(graph):
     """The stage of each graph input: that of its first consumer."""
-    found = {}
-    for op in graph.ops:
-        for t in op.input_tensors():
-            found.setdefault(t.id, op.stage)
-    return {t.name: found.get(t.id, 0) for t in graph.inputs}
+    return _of_first_consumer(graph, "stage")
 
 
 def input_ipus(graph):
     """The IPU of each graph input: that of its first consumer."""
+    return _of_first_consumer(graph, "ipu")
+
+
+def _of_first_consumer(graph, attr):
     found = {}
     for op in graph.ops:
         for t in op.input_tensors():
-            found.setdefault(t.id, op.ipu)
+            found.setdefault(t.id, getattr(op, attr))
     return {t.name: found.get(t.id, 0) for t in graph.inputs}
 
 
