@@ -65,3 +65,33 @@ def test_pipelining_tutorial(tmp_path):
     assert "F0 mb0" in names and "B3 mb6" in names, sorted(names)[:10]
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert re.match(r"Done in \d+(?:\.\d+)? s\.", lines[-1]), lines[-1]
+
+
+def test_replication_tutorial(tmp_path):
+    result = _run_tutorial("tutorials/replication/replication.py", "--small",
+                           "--out", str(tmp_path))
+    assert result.returncode == 0, (
+        f"replication.py --small exited with {result.returncode}\n"
+        f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-4000:]}")
+    out = result.stdout
+    # 4 replicas learn what plain PyTorch learns; sharding changes no weight
+    assert "4 replicas x 1 IPU = 4 IPUs" in out, out[-4000:]
+    diff = re.search(r"micro-batches per step: max weight difference (\S+)", out)
+    assert diff and float(diff.group(1)) < 1e-5, out[-4000:]
+    assert "max weight difference from section 1 0.0e+00" in out, out[-4000:]
+    # the IR of the sharded update, the seed's table and the model that only fits sharded
+    assert "reduce-scatter" in out and "all-gather" in out, out[-4000:]
+    assert "Same ranking as published: yes" in out, out[-4000:]
+    assert "poptorch.OutOfMemoryError" in out and "Out of memory on tile" in out, out[-4000:]
+    assert "in Streaming Memory, sharded  fits" in out, out[-4000:]
+    for name in ("remote_variables.png", "replicated/memory.png", "sharded/memory.png"):
+        path = tmp_path / name
+        assert path.is_file() and path.stat().st_size > 0, f"missing report file {path}"
+    # two processes with the launcher, unless this poptorchsim has none
+    if (ROOT / "poptorchsim" / "run.py").is_file():
+        assert "(within 1e-5)" in out, out[-4000:]
+        assert (tmp_path / "two_processes.pt").is_file()
+    else:
+        assert "skipped: poptorchsim.run" in out, out[-4000:]
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert re.match(r"Done in \d+(?:\.\d+)? s\.", lines[-1]), lines[-1]
