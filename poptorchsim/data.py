@@ -36,14 +36,20 @@ class DataLoader(torch.utils.data.DataLoader):
             super().__init__(dataset, batch_sampler=_Combine(batch_sampler, self._combine),
                              num_workers=num_workers, **kwargs)
             return
+        processes = o.Distributed.numProcesses
+        partition = processes > 1 and auto_distributed_partitioning
+        if partition and isinstance(dataset, torch.utils.data.IterableDataset):
+            raise AssertionError(
+                "auto_distributed_partitioning not supported for IterableDataset: pass "
+                "auto_distributed_partitioning=False and give each process its own "
+                "samples (Options.Distributed.processId says which process this is).")
         if batch_size is None:
-            if o.Distributed.numProcesses > 1 and auto_distributed_partitioning:
-                raise ValueError(
-                    "batch_size=None is not supported with distributed execution: the "
-                    "DataLoader must know the combined batch to give each of the "
-                    f"{o.Distributed.numProcesses} processes its part of the dataset. Pass a "
-                    "batch_size, or auto_distributed_partitioning=False and split the data "
-                    "yourself.")
+            if partition:
+                raise AssertionError(
+                    "batch_size=None not allowed when using auto_distributed_partitioning. "
+                    "Each of the processes takes whole combined batches of the dataset: "
+                    "pass a batch_size, or auto_distributed_partitioning=False and give each "
+                    "process its part yourself.")
             self._combined = None
             super().__init__(dataset, batch_size=None, shuffle=bool(shuffle),
                              num_workers=num_workers, **kwargs)
@@ -52,15 +58,21 @@ class DataLoader(torch.utils.data.DataLoader):
         n = len(dataset) if hasattr(dataset, "__len__") else None
         if n == 0:
             raise ValueError("The Dataset is empty")
-        processes = o.Distributed.numProcesses
-        if processes > 1 and auto_distributed_partitioning and n is not None:
-            kwargs["sampler"] = _process_slice(o, n, self._combined, bool(shuffle))
-            shuffle = False
-        if n is not None and not drop_last and n % self._combined:
+        step = self._combined * (processes if partition else 1)
+        if n is not None and not drop_last and n % step:
             logger.warning(
                 "The number of elements in the dataset (%d) is not divisible by the "
                 "number of elements processed per step (%d) and drop_last=False. The "
-                "last incomplete batch will fail the model's batch check.", n, self._combined)
+                "last incomplete batch will fail the model's batch check.", n, step)
+        if partition and n is not None:
+            if "sampler" in kwargs:
+                raise ValueError(
+                    "A sampler cannot be combined with auto_distributed_partitioning=True: "
+                    "the DataLoader already gives each process its own part of the dataset. "
+                    "Pass auto_distributed_partitioning=False and let your sampler choose "
+                    "each process's samples.")
+            kwargs["sampler"] = _process_part(o, n, self._combined, bool(shuffle), drop_last)
+            shuffle = False
         if persistent_workers is None:
             persistent_workers = num_workers > 0
         super().__init__(dataset, batch_size=self._combined, shuffle=bool(shuffle),
@@ -80,46 +92,62 @@ class DataLoader(torch.utils.data.DataLoader):
         """Nothing to stop: loading is synchronous."""
 
 
-def _process_slice(options, n, combined, shuffle):
-    """Process ``processId``'s contiguous part of the dataset: whole combined
-    batches, the same number in every process."""
+def _process_part(options, n, combined, shuffle, drop_last):
+    """The sampler of process ``processId``: PopTorch's partition of a dataset
+    of ``n`` samples among the processes.
+
+    With ``drop_last`` each process gets ``per_process = combined * (n //
+    (combined * processes))`` consecutive samples, process p those from
+    ``p * per_process``, so every process runs the same number of steps;
+    without it the samples are split as evenly as they go.  With ``shuffle``
+    the indices are those of one permutation of the whole dataset, the same in
+    every process, drawn again each epoch from a generator seeded once with
+    ``options.randomSeed``; every other epoch the slices start ``n % per_process``
+    further on, so that the samples left over get their turn (PopTorch's rules).
+    """
     d = options.Distributed
-    per_process = combined * (n // (combined * d.numProcesses))
-    if per_process == 0:
-        raise ValueError(
-            f"The dataset has {n} samples, fewer than one combined batch ({combined}) "
-            f"for each of the {d.numProcesses} processes. Use a larger dataset or a "
-            "smaller batch.")
-    seed = options._values.get("random_seed")
     if shuffle:
-        assert seed is not None, (
-            "When using distributed execution with shuffle=True, the processes must agree "
-            "on the order of the samples: set the same options.randomSeed(...) in every "
-            "process.")
-    return _ProcessSlice(n, per_process, d.processId, shuffle, seed)
+        assert options.exists("random_seed"), (
+            "When using auto_distributed_partitioning you must set "
+            "poptorch.Options.randomSeed() to ensure that tensors are in the same order "
+            "in all processes.")
+    if drop_last:
+        per_process = combined * (n // (combined * d.numProcesses))
+        if per_process == 0:
+            raise ValueError(
+                f"The dataset has {n} samples, fewer than one combined batch ({combined}) "
+                f"for each of the {d.numProcesses} processes. Use a larger dataset or a "
+                "smaller batch.")
+        start, length, leftover = d.processId * per_process, per_process, n % per_process
+    else:
+        sizes = [n // d.numProcesses + (p < n % d.numProcesses)
+                 for p in range(d.numProcesses)]
+        start, length, leftover = sum(sizes[:d.processId]), sizes[d.processId], 0
+    seed = options.random_seed if shuffle else None
+    return _ProcessPart(n, start, length, leftover, seed)
 
 
-class _ProcessSlice(torch.utils.data.Sampler):
-    """Indices ``[p * per_process, (p + 1) * per_process)`` of the dataset, or
-    of a permutation of it drawn from ``seed + epoch`` (the same in every
-    process) when shuffling."""
+class _ProcessPart(torch.utils.data.Sampler):
+    """Indices ``[start, start + length)`` of the dataset or, with a seed, of a
+    permutation of it redrawn at each epoch (each ``iter``)."""
 
-    def __init__(self, n, per_process, process_id, shuffle, seed):
-        self.n, self.per_process, self.process_id = n, per_process, process_id
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+    def __init__(self, n, start, length, leftover, seed=None):
+        self.n, self.start, self.length, self.leftover = n, start, length, leftover
+        self.offset = start
+        self.generator = None
+        if seed is not None:
+            self.generator = torch.Generator().manual_seed(seed)
 
     def __iter__(self):
-        start = self.process_id * self.per_process
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.n, generator=g)[start:start + self.per_process]
-        else:
-            order = torch.arange(start, start + self.per_process)
-        self.epoch += 1
-        return iter(order.tolist())
+        if self.generator is None:
+            return iter(range(self.start, self.start + self.length))
+        order = torch.randperm(self.n, generator=self.generator)
+        # alternate between two windows so that leftovers are used too
+        self.offset = self.start + self.leftover if self.offset == self.start else self.start
+        return iter(order[self.offset:self.offset + self.length].tolist())
 
     def __len__(self):
-        return self.per_process
+        return self.length
 
 
 class _Combine(torch.utils.data.Sampler):

@@ -2,7 +2,7 @@
 
 The shape of Graphcore's ``poprun``::
 
-    python -m poptorchsim.run --num-instances 2 --num-replicas 4 train.py --epochs 1
+    python -m poptorchsim.run --num-instances 2 --num-replicas 4 [--] train.py --epochs 1
 
 starts 2 processes through torch.distributed's launcher (a gloo process
 group on this machine), each with 4 / 2 = 2 local replicas.  Each process
@@ -11,26 +11,33 @@ sees ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE`` (read by
 ``POPDIST_INSTANCE_INDEX``, ``POPDIST_NUM_TOTAL_REPLICAS`` and
 ``POPDIST_NUM_LOCAL_REPLICAS``; a script sets its replication factor from
 the last one.  If a process fails, the others are stopped and the launcher
-exits non-zero naming the process that failed first.
+exits with 1, printing one line per failed process, the cause first.
 """
 import argparse
-import logging
 import os
 import sys
-import uuid
 
 
 def parse(argv):
     p = argparse.ArgumentParser(
         prog="python -m poptorchsim.run",
-        description="Run a PopTorch program as several processes sharing its replicas.")
-    p.add_argument("--num-instances", type=int, default=1,
-                   help="processes to start (poprun's --num-instances)")
-    p.add_argument("--num-replicas", type=int, default=None,
-                   help="replicas in all processes together (default: one per process)")
-    p.add_argument("script", help="the Python program to run")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
-    args = p.parse_args(argv)
+        usage="%(prog)s [--num-instances P] [--num-replicas R] [--master-port PORT] "
+              "[--] script.py [args ...]",
+        description="Run a PopTorch program as several processes sharing its replicas "
+                    "(the shape of poprun).")
+    p.add_argument("--num-instances", type=int, default=1, metavar="P",
+                   help="processes to start (poprun's --num-instances; default 1)")
+    p.add_argument("--num-replicas", type=int, default=None, metavar="R",
+                   help="replicas in all processes together, a multiple of P "
+                        "(default: one per process)")
+    p.add_argument("--master-port", type=int, default=None, metavar="PORT",
+                   help="TCP port on localhost for the processes to meet "
+                        "(default: a free one)")
+    p.add_argument("script", help="the Python program to run; the words after it are "
+                                  "its arguments, passed on unchanged")
+    options, rest = _split(argv)
+    args = p.parse_args(options + rest[:1])
+    args.args = rest[1:]
     if args.num_instances < 1:
         p.error(f"--num-instances must be at least 1 (got {args.num_instances})")
     if args.num_replicas is None:
@@ -38,43 +45,34 @@ def parse(argv):
     if args.num_replicas < 1 or args.num_replicas % args.num_instances:
         p.error(f"--num-replicas ({args.num_replicas}) must be a positive multiple of "
                 f"--num-instances ({args.num_instances}): each process holds the same "
-                "number of replicas")
+                f"number of replicas. Try --num-replicas "
+                f"{max(1, args.num_replicas // args.num_instances + 1) * args.num_instances}.")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        p.error(f"--master-port must be between 1 and 65535 (got {args.master_port})")
     if not os.path.isfile(args.script):
         p.error(f"no such script: {args.script}")
-    if args.args and args.args[0] == "--":
-        args.args = args.args[1:]
     return args
 
 
-def main(argv=None):
-    args = parse(sys.argv[1:] if argv is None else argv)
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+def _split(argv):
+    """(the launcher's options, [script, its arguments...]): the script is
+    the first word that is not an option or an option's value; a ``--``
+    just before it is dropped, and everything after it is the script's."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        i += 1 if "=" in argv[i] or argv[i] in ("-h", "--help") else 2
+    i = min(i, len(argv))
+    rest = argv[i:]
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    return argv[:i], rest
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    os.environ.update({
-        "POPDIST_NUM_INSTANCES": str(args.num_instances),
-        "POPDIST_NUM_TOTAL_REPLICAS": str(args.num_replicas),
-        "POPDIST_NUM_LOCAL_REPLICAS": str(args.num_replicas // args.num_instances),
-    })
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.num_instances,
-                          run_id=str(uuid.uuid4()), rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2,
-                          start_method="spawn")
-    try:
-        elastic_launch(config, sys.executable)(
-            "-m", "poptorchsim.distributed._worker", args.script, *args.args)
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        code = failure.exitcode
-        others = len(e.failures) - 1
-        print(f"poptorchsim.run: process {rank} of {args.num_instances} failed first "
-              f"(exit code {code}); "
-              + (f"{others} other process(es) stopped too. " if others else "")
-              + "Its own output above says why.", file=sys.stderr)
-        return 1
-    return 0
+
+def main(argv=None):
+    args = parse(sys.argv[1:] if argv is None else list(argv))
+    from .distributed.launch import launch
+    return launch(args.script, args.args, args.num_instances, args.num_replicas,
+                  master_port=args.master_port)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,59 @@
 """One process of ``python -m poptorchsim.run``: maps torch.distributed's
 RANK and WORLD_SIZE onto the variables PopTorch programs read (Open MPI's,
 which ``Options.Distributed`` reads, and poprun's POPDIST_*), then runs the
-user's script as ``__main__``."""
+user's script as ``__main__``.
+
+An exception is recorded for the launcher (torch's ``record``), which prints
+its first line in the run's summary.  When another process fails the
+launcher stops this one with SIGTERM; this process takes up to
+``GRACE_S`` seconds more to exit, so that an error it is raising at that
+moment (typically "Replica process N of P stopped responding ...") is
+recorded rather than cut off.
+"""
 import os
 import runpy
+import signal
 import sys
+import threading
+import time
+
+GRACE_S = 3.0
+STOPPED = 128 + signal.SIGTERM     # the exit code after the grace period
 
 
-def main():
-    rank, size = os.environ["RANK"], os.environ["WORLD_SIZE"]
-    os.environ["OMPI_COMM_WORLD_RANK"] = rank
-    os.environ["OMPI_COMM_WORLD_SIZE"] = size
-    os.environ["POPDIST_INSTANCE_INDEX"] = rank
-    script, *args = sys.argv[1:]
+def set_environment(env=os.environ):
+    rank, size = env["RANK"], env["WORLD_SIZE"]
+    env["OMPI_COMM_WORLD_RANK"] = rank
+    env["OMPI_COMM_WORLD_SIZE"] = size
+    env["POPDIST_INSTANCE_INDEX"] = rank
+    env.setdefault("POPDIST_NUM_INSTANCES", size)
+    env.setdefault("POPDIST_NUM_LOCAL_REPLICAS", "1")
+    env.setdefault("POPDIST_NUM_TOTAL_REPLICAS",
+                   str(int(env["POPDIST_NUM_LOCAL_REPLICAS"]) * int(size)))
+
+
+def _exit_late_on_sigterm(grace_s=GRACE_S):
+    """SIGTERM ends the process ``grace_s`` later (or sooner, if it exits by
+    itself).  Call before any other thread starts: they inherit the mask."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def wait():
+        signal.sigwait({signal.SIGTERM})
+        time.sleep(grace_s)
+        os._exit(STOPPED)
+
+    threading.Thread(target=wait, name="poptorchsim-sigterm", daemon=True).start()
+
+
+def main(argv=None):
+    script, *args = sys.argv[1:] if argv is None else argv
+    _exit_late_on_sigterm()
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    set_environment()
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    record(runpy.run_path)(script, run_name="__main__")
 
 
 if __name__ == "__main__":

@@ -251,8 +251,8 @@ class PoplarExecutor:
             from ..profiling import write_report
             write_report(self.simulationReport(), os.path.join(directory, self._model_name()))
         self._engine = Engine(compiled.step_fn, compiled.update_fn, self._shard_index())
-        self._group = self._process_group()
-        if self._group is not None and self._training:
+        self._group = self._process_group()     # training in several processes
+        if self._group is not None:
             self._engine.reduce = self._group.all_reduce_sum
         self._input_template = ([torch.empty(t.shape, dtype=t.dtype, device="meta")
                                  if isinstance(t, torch.Tensor) else t for t in leaves],
@@ -261,9 +261,10 @@ class PoplarExecutor:
         self._attached = True
 
     def _process_group(self):
-        """The gloo group of a distributed run (``Options.Distributed``), or None."""
+        """The gloo group of a distributed training run (``Options.Distributed``),
+        or None: inference needs no reduction."""
         d = self._options.Distributed
-        if d.numProcesses <= 1:
+        if d.numProcesses <= 1 or not self._training:
             return None
         from ..distributed import process_group
         return process_group(d.processId, d.numProcesses)
@@ -328,12 +329,13 @@ class PoplarExecutor:
         _, _, rf = self._factors()
         st = self._state
         st.params = [params[n].detach().clone() for n in cap.param_names]
+        first = [buffers[n].detach().clone() for n in cap.buffer_names]
         if self._group is not None and not self._broadcast_done:
-            # every process starts from process 0's weights (as popdist does)
-            st.params = self._group.broadcast_from_first(st.params)
+            # every process starts from process 0's weights and buffers (as popdist does)
+            both = self._group.broadcast_from_first(st.params + first)
+            st.params, first = both[:len(st.params)], both[len(st.params):]
             self._broadcast_done = True
-        st.buffers = [[buffers[n].detach().clone() for n in cap.buffer_names]
-                      for _ in range(rf)]
+        st.buffers = [[b.clone() for b in first] for _ in range(rf)]
         if self._training:
             st.n_trainable = len(cap.trainable_names)
             if not keep_optimizer_state:

@@ -5,10 +5,12 @@ poprun (python -m poptorchsim.run) gives this process.
     python train_small.py OUT [die]
 
 Process 0 saves the final state_dict to OUT.  With ``die``, process 1
-exits abruptly on its second step.
+exits abruptly (``os._exit(3)``) on its second step while process 0 waits
+for its gradients.
 """
 import os
 import sys
+import time
 
 import torch
 from torch import nn
@@ -48,6 +50,7 @@ def main():
     pid = opts.Distributed.processId
     for step, (x, labels) in enumerate(loader):
         if mode == "die" and pid == 1 and step == 1:
+            time.sleep(0.5)     # process 0 is in the gradient all-reduce by now
             os._exit(3)
         _, loss = tm(x, labels)
     if pid == 0:
