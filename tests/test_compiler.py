@@ -1,5 +1,4 @@
 """The compiler's layers on their own: IR, verifier, tile mapping, memory, cycles."""
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn

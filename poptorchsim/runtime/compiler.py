@@ -85,7 +85,7 @@ def _stage_times(graph, costs, target, n_stages):
 def _estimate(program, costs, target):
     """Cycles of one call (all device iterations), split by kind."""
     from ..passes.pipeline import schedule
-    di, ga, rf = program.device_iterations, program.accumulation, program.replicas
+    di, ga = program.device_iterations, program.accumulation
     training = program.kind == "training"
     step_name = "training_step" if training else "inference_forward"
     step = _graph_cycles(costs[step_name])
