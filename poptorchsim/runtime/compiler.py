@@ -174,11 +174,7 @@ def _replication_cycles(program, target):
     n_ipus = max(program.n_ipus, 1)
     collective = streaming = 0.0
     if training:
-        update = program.graphs["optimizer_update"]
-        grads = [t for t in update.inputs if t.role == "accumulator"]
-        sharded = sum(t.mapping.nbytes for t in grads
-                      if t.name.split("/", 1)[1] in program.sharded_state)
-        whole = sum(t.mapping.nbytes for t in grads) - sharded
+        whole, sharded = _gradient_bytes(program)
         per_update = (_ring_cycles(whole / n_ipus, R, 2, target)
                       + 2 * _ring_cycles(sharded / n_ipus, R, 1, target))
         collective += di * per_update
@@ -337,10 +333,10 @@ def _map_training(step_graph, update_graph, target):
     place_update(update_graph, input_ipus(step_graph), input_stages(step_graph))
 
 
-def _check_locations(settings, logger_name="poptorchsim"):
+def _check_locations(settings):
     import logging
     if settings.get("activation", {}).get("onChip", 1) == 0:
-        logging.getLogger(logger_name).warning(
+        logging.getLogger("poptorchsim").warning(
             "TensorLocations.setActivationLocation(useOnChipStorage(False)) only moves "
             "activations with phased execution (SerialPhasedExecution or "
             "ParallelPhasedExecution); activations stay on chip.")
@@ -421,6 +417,15 @@ def _map_variables(program, target, variables):
     map_graph(update, target, cursor, variables, input_ipus(update), full)
 
 
+def _gradient_bytes(program):
+    """(all-reduced, reduce-scattered) gradient bytes of one weight update:
+    gradients of parameters with sharded optimizer state are reduce-scattered."""
+    grads = [t for t in program.graphs["optimizer_update"].inputs if t.role == "accumulator"]
+    sharded = sum(t.mapping.nbytes for t in grads
+                  if t.name.split("/", 1)[1] in program.sharded_state)
+    return sum(t.mapping.nbytes for t in grads) - sharded, sharded
+
+
 def _training_main(program):
     """The control program of a training call, from the tensor locations."""
     di, ga, rf = program.device_iterations, program.accumulation, program.replicas
@@ -432,10 +437,7 @@ def _training_main(program):
         names = [n for n, loc in locs.items() if loc.kind == kind and loc.off_chip]
         return names, sum(locs[n].replica_bytes for n in names)
 
-    grads = [t for t in update.inputs if t.role == "accumulator"]
-    sharded = sum(t.mapping.nbytes for t in grads
-                  if t.name.split("/", 1)[1] in program.sharded_state)
-    whole = sum(t.mapping.nbytes for t in grads) - sharded
+    whole, sharded = _gradient_bytes(program)
     micro = []
     weights_off, weights_off_bytes = off("weight")
     if weights_off:
