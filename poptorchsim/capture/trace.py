@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.utils._pytree as pytree
-from torch._decomp import get_decompositions
 from torch.func import functionalize, grad_and_value
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -27,16 +26,10 @@ from ..errors import DataDependentError, Error, LossError
 from . import blocks as _blocks
 from . import losses as _losses
 from . import optimizers as _opt
+from .decompositions import decompositions, tracing_backends
 
 aten = torch.ops.aten
 _tracing = threading.local()
-
-# Batch norm mutates its running statistics without saying so in its
-# schema; its functional decomposition makes the update visible.
-DECOMPOSITIONS = get_decompositions([
-    aten.native_batch_norm, aten._native_batch_norm_legit,
-    aten._native_batch_norm_legit_no_training,
-])
 
 
 def is_tracing():
@@ -127,11 +120,16 @@ DATA_DEPENDENT_HELP = (
     "operations such as torch.where, or move it out of forward().")
 
 
-def _trace(fn, example, what, blocks_seen=None):
+def _trace(fn, example, what, blocks_seen=None, stack_traces=False):
+    """``fn`` traced over fake copies of ``example``: functionalized, ATen ops
+    outside the op set poptorchsim lowers decomposed by PyTorch's own tables.
+    Tensors that ``fn`` reaches other than through its arguments (attributes,
+    closures) are traced as constants (fx ``get_attr`` nodes)."""
     try:
-        with _tracing_scope(), _blocks.recording() as entered:
+        with _tracing_scope(), _blocks.recording() as entered, tracing_backends():
             gm = make_fx(functionalize(fn, remove="mutations"), tracing_mode="fake",
-                         decomposition_table=DECOMPOSITIONS)(*example)
+                         decomposition_table=decompositions(), _allow_non_fake_inputs=True,
+                         record_stack_traces=stack_traces)(*example)
         if blocks_seen is not None:
             blocks_seen.extend(dict.fromkeys(entered))     # unique, in entry order
     except Error:
@@ -203,11 +201,12 @@ def _split_state(module):
     return params, buffers
 
 
-def capture_training(module, args, kwargs, in_optimizer):
+def capture_training(module, args, kwargs, in_optimizer, stack_traces=False):
     """Trace forward + loss + backward of one micro-batch.
 
     Parameters that require grad and belong to the optimizer are trained;
-    the others are held constant."""
+    the others are held constant.  ``stack_traces``: every node records the
+    line of the model that made it (slower; for error messages)."""
     params, buffers = _split_state(module)
     param_names = list(params)
     trainable = [n for n in param_names if params[n].requires_grad and n in in_optimizer]
@@ -241,14 +240,14 @@ def capture_training(module, args, kwargs, in_optimizer):
         [t.detach() for t in tensors],
     )
     blocks = []
-    gm = _trace(step, example, "training step", blocks)
+    gm = _trace(step, example, "training step", blocks, stack_traces)
     return _finish(Capture("training", gm, trainable + frozen, trainable, buffer_names,
                            spec, described, None, None, 0,
                            loss_kind=out_info.get("loss_kind", ""),
                            example_inputs=tensors, blocks=blocks), out_info)
 
 
-def capture_inference(module, args, kwargs):
+def capture_inference(module, args, kwargs, stack_traces=False):
     """Trace the forward of one micro-batch, in eval mode."""
     params, buffers = _split_state(module)
     param_names = list(params)
@@ -272,7 +271,7 @@ def capture_inference(module, args, kwargs):
                        {n: buffers[n].detach() for n in buffer_names},
                        [t.detach() for t in tensors])
             blocks = []
-            gm = _trace(forward, example, "inference forward", blocks)
+            gm = _trace(forward, example, "inference forward", blocks, stack_traces)
     finally:
         for m, mode in modes.items():
             m.training = mode

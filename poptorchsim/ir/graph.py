@@ -61,6 +61,8 @@ class Op:
     stage: int = 0                    # pipeline stage (forward numbering)
     ipu: int = 0                      # the IPU it runs on
     backward: bool = False            # part of the backward pass
+    inplace: bool = False             # writes its first argument (engine runs it in place)
+    traced_layout: Optional[tuple] = None   # (shape, stride, offset) of arg 0 in the trace
 
     def input_tensors(self):
         found = []
@@ -86,6 +88,9 @@ class Graph:
     ops: list = field(default_factory=list)
     outputs: list = field(default_factory=list)    # Tensors
     tensors: list = field(default_factory=list)
+    # which model inputs (counted among the "input" tensors) forward() mutates;
+    # their new values follow the model's own outputs
+    input_writes: list = field(default_factory=list)
 
     def new_tensor(self, name, shape, dtype, role="activation", producer=None, value=None):
         t = Tensor(len(self.tensors), name, tuple(int(s) for s in shape), dtype, role,

@@ -14,6 +14,27 @@ import torch
 from ..ir.graph import Tensor
 
 _SIMPLE = (int, float, bool, str, type(None))
+aten = torch.ops.aten
+
+
+def _as_strided(x, size, stride, offset=None, *, traced):
+    """``as_strided`` as traced: ``traced`` = (shape, stride, storage offset)
+    of its input in the trace.  Real kernels may lay a tensor out otherwise
+    than the trace's meta kernels did; the input is then copied into the
+    traced layout first, so the same elements are read."""
+    shape, in_stride, in_offset = traced
+    if tuple(x.stride()) != in_stride or x.storage_offset() != in_offset:
+        y = torch.empty_strided(shape, in_stride, dtype=x.dtype)
+        y.copy_(x)
+        offset = (offset if offset is not None else in_offset) - in_offset
+        return aten.as_strided.default(y, size, stride, offset)
+    return aten.as_strided.default(x, size, stride, offset)
+
+
+# Views whose result depends on the input's strides run as what they mean:
+# a reshape copies only when the real layout cannot be viewed that way.
+_KERNELS = {aten.view.default: aten.reshape.default,
+            aten._unsafe_view.default: aten.reshape.default}
 
 
 def compile_graph(graph):
@@ -49,9 +70,12 @@ def compile_graph(graph):
         lines.append("    " + "".join(name_of(t) + ", " for t in graph.inputs) + "= inputs")
     for k, op in enumerate(graph.ops):
         fn = f"_op{k}"
-        glb[fn] = op.target
+        glb[fn] = _KERNELS.get(op.target, op.target)
         args = [render(a) for a in op.args]
         args += [f"{key}={render(v)}" for key, v in op.kwargs.items()]
+        if op.target in (aten.as_strided.default, aten.as_strided_.default):
+            glb[fn] = _as_strided
+            args.append(f"traced={const(op.traced_layout)}")
         call = f"{fn}({', '.join(args)})"
         if op.multi_output:
             outs = "".join((name_of(t) if t is not None else "_") + ", " for t in op.outputs)
@@ -120,9 +144,14 @@ def unshard(parts, shape):
 class Engine:
     """Device state and the loops that run a compiled program on it."""
 
-    def __init__(self, step_fn, update_fn=None, shards=None):
+    def __init__(self, step_fn, update_fn=None, shards=None, n_writes=0):
         self.step_fn = step_fn
         self.update_fn = update_fn
+        # model inputs that forward() mutates: their new values follow the
+        # model's outputs; ``written`` keeps them per micro-batch, in
+        # [device iteration, accumulation, replica] order
+        self.n_writes = n_writes
+        self.written = []
         # index of a trainable parameter -> replicas its optimizer state is
         # sharded over; ``state.opt_state`` then holds one shard per replica
         self.shards = dict(shards or {})
@@ -131,13 +160,14 @@ class Engine:
     def run_inference(self, params, buffers, inputs, collector, di, rf):
         """``inputs``: tensors shaped [di, 1, rf, micro, ...]."""
         n_buf = len(buffers[0])
+        self.written = []
         with torch.no_grad():
             for i in range(di):
                 for r in range(rf):
                     outs = self.step_fn(params + buffers[r] + [x[i, 0, r] for x in inputs])
                     n_out = len(outs) - n_buf
                     buffers[r] = outs[n_out:]
-                    collector.add(i, 0, r, outs[:n_out])
+                    collector.add(i, 0, r, self._keep_writes(outs[:n_out]))
         return collector.result()
 
     def run_training(self, state, inputs, collector, di, ga, rf):
@@ -148,6 +178,7 @@ class Engine:
         """
         n_train = state.n_trainable
         n_buf = len(state.buffers[0])
+        self.written = []
         with torch.no_grad():
             for i in range(di):
                 acc = None
@@ -158,7 +189,7 @@ class Engine:
                         n_out = len(outs) - n_train - n_buf
                         grads = outs[n_out:n_out + n_train]
                         state.buffers[r] = outs[n_out + n_train:]
-                        collector.add(i, g, r, outs[:n_out])
+                        collector.add(i, g, r, self._keep_writes(outs[:n_out]))
                         # accumulate (and, across replicas, all-reduce)
                         acc = grads if acc is None else [a + b for a, b in zip(acc, grads)]
                 if self.reduce is not None:
@@ -168,6 +199,13 @@ class Engine:
                 else:
                     self._update(state, acc)
         return collector.result()
+
+    def _keep_writes(self, outs):
+        """The model's outputs; mutated inputs' new values go to ``written``."""
+        if not self.n_writes:
+            return outs
+        self.written.append(outs[len(outs) - self.n_writes:])
+        return outs[:len(outs) - self.n_writes]
 
     def _run_update(self, state, params, grads, opt_state):
         """One call of the update graph: (params, opt_state, steps) after it."""

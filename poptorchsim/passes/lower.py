@@ -3,8 +3,11 @@
 One IR op per fx ``call_function`` node; ``getitem`` nodes become references
 to an op's n-th output; a functionalized input mutation (``copy_`` into a
 placeholder) becomes the new value itself, because the graphs return new
-state explicitly.  Every ATen operation outside ``ir.ops`` is collected, and
-all of them are reported in a single error.
+state explicitly.  A mutated model input (``x += 1`` in forward) is also
+returned, right after the model's own outputs (``graph.input_writes`` names
+the inputs), so the runtime can write it back to the caller's tensor as PopTorch
+does.  Every operation without a cost class is collected, and all of them
+are reported in a single error, each with the line of the model that made it.
 """
 import operator
 from collections import OrderedDict
@@ -14,7 +17,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import UnsupportedOperationError
 from ..ir.graph import Graph, Op
-from ..ir.ops import cost_class
+from ..ir.ops import cost_class, is_inplace, unsupported_reason
 from ..ir.verify import verify_graph
 
 aten = torch.ops.aten
@@ -25,12 +28,25 @@ def _meta_tensor(val):
 
 
 def _where(node):
+    """The line of the user's model behind ``node`` (fx's stack trace)."""
     stack = (node.meta.get("stack_trace") or "").strip().splitlines()
     for line in reversed(stack):
         line = line.strip()
         if line.startswith("File") and "/torch/" not in line and "/poptorchsim/" not in line:
             return line
+    if node.meta.get("custom", {}).get("backward"):
+        return "in the backward pass (autograd of an operation above)"
     return ""
+
+
+def _unsupported(node, target):
+    """Why ``target`` cannot go on the IPU, or None."""
+    why = unsupported_reason(target)
+    if why is None:
+        vals = pytree.tree_leaves(node.meta.get("val"))
+        if any(isinstance(v, torch.Tensor) and v.is_complex() for v in vals):
+            why = "complex tensors: the IPU has no complex number types"
+    return why
 
 
 def lower(gm, name, roles):
@@ -39,6 +55,7 @@ def lower(gm, name, roles):
     graph = Graph(name)
     env = {}
     unsupported = OrderedDict()
+    writes = {}                 # input tensor -> its new value (input mutations)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(roles):
         raise AssertionError(f"{len(placeholders)} placeholders but {len(roles)} roles")
@@ -58,11 +75,20 @@ def lower(gm, name, roles):
                                          value.dtype, "const", value=value)
         elif node.op == "call_function":
             target = node.target
-            if unsupported and target is not operator.getitem and cost_class(target) is None \
-                    and target is not aten.copy_.default:
+            if target is aten.copy_.default and node.args[0].op == "placeholder":
+                dst, src = env.get(node.args[0]), env.get(node.args[1])
+                if dst is not None and src is not None and dst.shape == src.shape \
+                        and dst.dtype == src.dtype:
+                    env[node] = src
+                    if dst.role == "input":
+                        writes[dst] = src
+                    continue
+                target = aten.copy.default
+            why = None if target is operator.getitem else _unsupported(node, target)
+            if why is not None:
                 key = str(target)
-                count, where = unsupported.get(key, (0, _where(node)))
-                unsupported[key] = (count + 1, where)
+                count, _, where = unsupported.get(key, (0, why, _where(node)))
+                unsupported[key] = (count + 1, why, where)
                 continue
             if unsupported:
                 continue   # after the first unsupported op, only look for more
@@ -70,24 +96,18 @@ def lower(gm, name, roles):
                 src = env[node.args[0]]
                 env[node] = src[node.args[1]]
                 continue
-            if target is aten.copy_.default and node.args[0].op == "placeholder":
-                dst, src = env[node.args[0]], env[node.args[1]]
-                if dst.shape == src.shape and dst.dtype == src.dtype:
-                    env[node] = src
-                    continue
-                target = aten.copy.default
             cls = cost_class(target)
-            if cls is None:
-                key = str(target)
-                count, where = unsupported.get(key, (0, _where(node)))
-                unsupported[key] = (count + 1, where)
-                continue
             val = node.meta.get("val")
+            first = node.args[0].meta.get("val") if node.args and \
+                isinstance(node.args[0], torch.fx.Node) else None
             op = Op(len(graph.ops), node.name, target, arg(tuple(node.args)),
-                    arg(dict(node.kwargs)), [], cls,
+                    arg(dict(node.kwargs)), [], cls, inplace=is_inplace(target),
                     available_memory=node.meta.get("available_memory"),
                     block=node.meta.get("custom", {}).get("block"),
                     backward=bool(node.meta.get("custom", {}).get("backward", False)))
+            if isinstance(first, torch.Tensor):
+                op.traced_layout = (tuple(first.shape), tuple(first.stride()),
+                                    int(first.storage_offset()))
             if isinstance(val, (tuple, list)):
                 op.multi_output = True
                 for i, v in enumerate(val):
@@ -107,10 +127,15 @@ def lower(gm, name, roles):
         elif node.op == "output":
             if unsupported:
                 break
-            graph.outputs = [env[n] for n in pytree.tree_leaves(node.args[0])]
+            groups = [[env[n] for n in pytree.tree_leaves(g)] for g in node.args[0]]
+            model_inputs = [t for t in graph.inputs if t.role == "input"]
+            graph.input_writes = [model_inputs.index(t) for t in writes]
+            # the model's own outputs come first; its input writes follow them
+            graph.outputs = groups[0] + list(writes.values()) + [
+                t for g in groups[1:] for t in g]
     if unsupported:
-        lines = [f"  {name} (used {count}x{', ' + where if where else ''})"
-                 for name, (count, where) in unsupported.items()]
+        lines = [f"  {name} (used {count}x: {why}){chr(10) + '    ' + where if where else ''}"
+                 for name, (count, why, where) in unsupported.items()]
         raise UnsupportedOperationError(
             f"The model uses {len(unsupported)} operation(s) that poptorchsim cannot "
             "place on the IPU:\n" + "\n".join(lines) + "\nReplace them with supported "

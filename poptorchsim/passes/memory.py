@@ -103,7 +103,7 @@ def _buffers(graph):
             if out is None:
                 continue
             buffer_last.setdefault(out.id, last.get(out.id, -1))
-            if op.cost_class == "view" and ins:
+            if (op.cost_class == "view" or op.inplace) and ins:
                 join(out, find(ins[0]))
             elif op.cost_class in _INPLACE and out.id not in outputs:
                 for t in ins:

@@ -11,7 +11,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..capture import optimizers as opt_rules
-from ..errors import Error
+from ..errors import Error, UnsupportedOperationError
 from ..capture.trace import capture_inference, capture_training, capture_update
 from ..ir.graph import (AllGather, AllReduce, Call, DeviceToHost, HostToDevice, Program,
                         ReduceScatter, RemoteLoad, RemoteStore, Repeat, Sequence)
@@ -370,11 +370,9 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
                     if id(p) in by_id}
     bar.set_description("Tracing"); bar.update(1)
     capture = capture_training(model, args, kwargs, in_optimizer)
-    roles = ([(n, "param") for n in capture.param_names]
-             + [(n, "buffer") for n in capture.buffer_names]
-             + [(f"input{i}", "input") for i in range(len(capture.example_inputs))])
     bar.set_description("Lowering"); bar.update(1)
-    step_graph = lower(capture.graph, "training_step", roles)
+    step_graph = _lower_model(capture, "training_step", lambda: capture_training(
+        model, args, kwargs, in_optimizer, stack_traces=True))
 
     shards = _sharded_state(model, optimizer, capture, settings, rf * processes)
     update_graph, kind, group_of, flags = _build_update(model, optimizer, capture, shards)
@@ -467,6 +465,20 @@ def _training_main(program):
     program.main = Repeat(di, Sequence(body), "device_iteration")
 
 
+def _lower_model(capture, name, recapture):
+    """The model's graph lowered.  When it holds operations the IPU cannot
+    run, the model is traced again recording stack traces, so the error names
+    the line of the model behind each operation (tracing is faster without)."""
+    roles = ([(n, "param") for n in capture.param_names]
+             + [(n, "buffer") for n in capture.buffer_names]
+             + [(f"input{i}", "input") for i in range(len(capture.example_inputs))])
+    try:
+        return lower(capture.graph, name, roles)
+    except UnsupportedOperationError:
+        pass
+    return lower(recapture().graph, name, roles)
+
+
 def max_grad_norm(optimizer):
     """poptorchsim.optim's global-norm clipping threshold, or None."""
     value = getattr(optimizer, "max_grad_norm", None)
@@ -534,11 +546,9 @@ def compile_inference(model, args, kwargs, *, di, rf, target, amp=0.6,
     bar = _stages(show_progress, "Graph compilation")
     bar.set_description("Tracing"); bar.update(1)
     capture = capture_inference(model, args, kwargs)
-    roles = ([(n, "param") for n in capture.param_names]
-             + [(n, "buffer") for n in capture.buffer_names]
-             + [(f"input{i}", "input") for i in range(len(capture.example_inputs))])
     bar.set_description("Lowering"); bar.update(1)
-    graph = lower(capture.graph, "inference_forward", roles)
+    graph = _lower_model(capture, "inference_forward", lambda: capture_inference(
+        model, args, kwargs, stack_traces=True))
     in_bytes = _bytes((t.shape, t.dtype) for t in capture.example_inputs) * rf * di
     out_bytes = out_bytes_fn(capture) if out_bytes_fn else 0
     body = Sequence([HostToDevice(in_bytes // di), Call(graph, rf),

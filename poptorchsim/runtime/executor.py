@@ -59,6 +59,18 @@ def _leaf_names(args, kwargs, arg_names):
     return names
 
 
+def _reorder_like(value, like):
+    """``value`` with its dicts' keys in the order of ``like``'s (the inputs
+    the model was compiled with): dict inputs may come in any key order."""
+    if isinstance(value, dict) and isinstance(like, dict) and set(value) == set(like):
+        return type(value)((k, _reorder_like(value[k], like[k])) for k in like)
+    if isinstance(value, (list, tuple)) and type(value) is type(like) \
+            and len(value) == len(like):
+        items = [_reorder_like(a, b) for a, b in zip(value, like)]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
 def _input_independent_outputs(compiled):
     """Indices of user outputs that do not depend on any input (constants)."""
     graph = next(iter(compiled.program.graphs.values()))
@@ -86,6 +98,8 @@ class PoplarExecutor:
         self._perf = None
         self._sim_clock = 0.0
         self._input_template = None
+        self._input_structure = None     # (args, kwargs) compiled for, tensors as None
+        self._call_tensors = []          # the caller's input tensors of this call
         self._group = None              # distributed: the gloo process group
         self._broadcast_done = False
         self._target = default_target(options._values.get("ipu_model_version"))
@@ -141,6 +155,10 @@ class PoplarExecutor:
     def _prepare(self, args, kwargs):
         """Bind, convert float64 to float32, and flatten the call's inputs."""
         args, kwargs = bind_inputs(self._user_model, args, kwargs)
+        if self._input_structure is not None:
+            args, kwargs = _reorder_like((args, kwargs), self._input_structure)
+        self._call_tensors = [t for t in pytree.tree_leaves((args, kwargs))
+                              if isinstance(t, torch.Tensor)]
         args, kwargs = pytree.tree_map_only(
             torch.Tensor, lambda t: t.float() if t.dtype == torch.float64 else t,
             (args, kwargs))
@@ -155,7 +173,11 @@ class PoplarExecutor:
 
     def _validate(self, leaves, spec, names):
         expected_leaves, expected_spec, expected_names = self._input_template
-        if len(leaves) != len(expected_leaves) or spec != expected_spec:
+        if len(leaves) == len(expected_leaves) and spec != expected_spec:
+            raise InputMismatchError(
+                f"Input structure mismatch: the model was compiled for inputs "
+                f"{expected_names} but got {names}." + MISMATCH_SUFFIX)
+        if len(leaves) != len(expected_leaves):
             raise InputMismatchError(
                 f"Number of positional arguments mismatch: expected "
                 f"{len(expected_leaves)} arguments but got {len(leaves)}." + MISMATCH_SUFFIX)
@@ -250,13 +272,17 @@ class PoplarExecutor:
             import os
             from ..profiling import write_report
             write_report(self.simulationReport(), os.path.join(directory, self._model_name()))
-        self._engine = Engine(compiled.step_fn, compiled.update_fn, self._shard_index())
+        step = next(iter(compiled.program.graphs.values()))
+        self._engine = Engine(compiled.step_fn, compiled.update_fn, self._shard_index(),
+                              n_writes=len(step.input_writes))
         self._group = self._process_group()     # training in several processes
         if self._group is not None:
             self._engine.reduce = self._group.all_reduce_sum
         self._input_template = ([torch.empty(t.shape, dtype=t.dtype, device="meta")
                                  if isinstance(t, torch.Tensor) else t for t in leaves],
                                 spec, names)
+        self._input_structure = pytree.tree_map_only(torch.Tensor, lambda t: None,
+                                                     (args, kwargs))
         self._upload()
         self._attached = True
 
@@ -560,6 +586,7 @@ class PoplarExecutor:
             self.copyWeightsToDevice()
         di, ga, rf = self._factors()
         inputs = [t.reshape(di, ga, rf, t.shape[0] // (di * ga * rf), *t.shape[1:])
+                  if t.dim() else t.reshape(1, 1, 1)
                   for t in leaves if isinstance(t, torch.Tensor)]
         mode = self._output_mode
         collector = OutputCollector(mode.name, self._options.output_return_period, di, ga, rf)
@@ -570,7 +597,20 @@ class PoplarExecutor:
         else:
             result = self._engine.run_inference(self._state.params, self._state.buffers,
                                                 inputs, collector, di, rf)
+        self._write_back_inputs()
         return self._assemble(result)
+
+    def _write_back_inputs(self):
+        """Inputs that forward() changed in place get their new values, every
+        micro-batch's in its place of the combined batch (as PopTorch does)."""
+        written = self._engine.written
+        if not written:
+            return
+        step = next(iter(self._compiled.program.graphs.values()))
+        with torch.no_grad():
+            for j, k in enumerate(step.input_writes):
+                caller = self._call_tensors[k]
+                caller.copy_(torch.stack([w[j] for w in written]).reshape(caller.shape))
 
     def _assemble(self, rows):
         cap = self._compiled.capture
