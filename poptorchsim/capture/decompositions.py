@@ -18,7 +18,7 @@ from torch._decomp import core_aten_decompositions, decomposition_table, get_dec
 
 from torch.overrides import TorchFunctionMode
 
-from ..errors import DataDependentError
+from ..errors import DataDependentError, Error
 from ..ir.ops import is_native
 
 aten = torch.ops.aten
@@ -66,16 +66,34 @@ def _quietly(manager):
             manager.__exit__(None, None, None)
 
 
-class _StaticShapes(TorchFunctionMode):
-    """Composite functions whose PyTorch kernels check tensor values even when
-    their output shape is fixed by an argument: traced as the static formula
-    instead.  ``F.one_hot(y, n)`` is ``y[..., None] == arange(n)``."""
+class _TraceableForms(TorchFunctionMode):
+    """Calls that PyTorch cannot functionalize or trace as written, traced in
+    an equivalent form:
+
+    * ``F.one_hot(y, n)``: its kernel checks the values of ``y`` even though
+      ``n`` fixes the shape; traced as ``y[..., None] == arange(n)``;
+    * ``out=`` arguments (``torch.matmul(a, b, out=c)``): the result is
+      computed, then copied into ``out`` (which functionalization handles,
+      under autograd too)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.one_hot or func is torch._C._nn.one_hot:
             return _one_hot(*args, **kwargs)
+        out = kwargs.get("out")
+        if out is not None:
+            result = func(*args, **{k: v for k, v in kwargs.items() if k != "out"})
+            return _copy_out(out, result)
         return func(*args, **kwargs)
+
+
+def _copy_out(out, result):
+    if isinstance(out, torch.Tensor):
+        if out.shape != result.shape:
+            out.resize_(result.shape)
+        return out.copy_(result)
+    copied = [_copy_out(o, r) for o, r in zip(out, result)]
+    return type(result)(copied) if not hasattr(result, "_fields") else type(result)(*copied)
 
 
 def _one_hot(tensor, num_classes=-1):
@@ -88,22 +106,37 @@ def _one_hot(tensor, num_classes=-1):
     return (tensor.unsqueeze(-1) == classes).to(torch.int64)
 
 
+def _no_packed_sequences(module, args):
+    """A module forward pre-hook: RNNs reject ``PackedSequence`` inputs, whose
+    batch sizes per time step make every shape depend on the lengths."""
+    if isinstance(module, torch.nn.RNNBase) and args and \
+            isinstance(args[0], torch.nn.utils.rnn.PackedSequence):
+        raise Error(
+            f"{type(module).__name__} received a PackedSequence: its per-step batch sizes "
+            "come from the sequence lengths, so the IPU program would not be static. "
+            "Pass the padded tensor instead (pad_sequence / pad_packed_sequence) and mask "
+            "the padded steps, as PopTorch programs do.")
+
+
 @contextlib.contextmanager
 def tracing_backends():
     """Kernels chosen for tracing: attention through its math formulation
     (matmuls and softmax, differentiable op by op, as the IPU computes it),
     RNNs without oneDNN's fused layer, and no fast-path kernels in
-    ``nn.MultiheadAttention`` or ``nn.TransformerEncoder``; ``one_hot`` with
-    a class count traced without reading its input."""
+    ``nn.MultiheadAttention`` or ``nn.TransformerEncoder``; ``one_hot`` and
+    ``out=`` in a traceable form; RNNs given a ``PackedSequence`` fail with a
+    clear error."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     mha = getattr(torch.backends, "mha", None)
     fastpath = mha.get_fastpath_enabled() if mha is not None else None
     with sdpa_kernel([SDPBackend.MATH]), _quietly(torch.backends.mkldnn.flags(enabled=False)), \
-            _StaticShapes():
+            _TraceableForms():
         if mha is not None:
             mha.set_fastpath_enabled(False)
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(_no_packed_sequences)
         try:
             yield
         finally:
+            hook.remove()
             if mha is not None:
                 mha.set_fastpath_enabled(fastpath)

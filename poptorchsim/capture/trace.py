@@ -137,7 +137,8 @@ def _trace(fn, example, what, blocks_seen=None, stack_traces=False):
     except Exception as exc:  # noqa: BLE001 - classified below
         name = type(exc).__name__
         if name in ("GuardOnDataDependentSymNode", "DataDependentOutputException",
-                    "DynamicOutputShapeException") or "data-dependent" in str(exc):
+                    "DynamicOutputShapeException") or "data-dependent" in str(exc) \
+                or "data is not allocated" in str(exc):     # read a fake tensor's values
             raise DataDependentError(
                 f"While tracing the {what}, forward() used the value of a tensor "
                 f"at {_user_frame(exc)} ({name}). {DATA_DEPENDENT_HELP}") from None
@@ -216,7 +217,8 @@ def capture_training(module, args, kwargs, in_optimizer, stack_traces=False):
     out_info = {}
 
     def step(p_train, p_frozen, bufs, inputs):
-        def loss_of(p_train, bufs):
+        def loss_of(p_train, bufs, inputs):
+            # buffers and inputs are arguments, so forward() may change them in place
             a, kw = _rebuild_inputs(described, spec, inputs)
             with _losses.LossRecorder() as recorder:
                 out = _call_checked(module, {**p_train, **p_frozen, **bufs}, a, kw,
@@ -226,7 +228,7 @@ def capture_training(module, args, kwargs, in_optimizer, stack_traces=False):
             out_info["loss_kind"] = kind
             scalar = loss if loss.dim() == 0 else loss.sum()
             return scalar, (out, bufs)
-        grads, (_, (out, new_bufs)) = grad_and_value(loss_of, has_aux=True)(p_train, bufs)
+        grads, (_, (out, new_bufs)) = grad_and_value(loss_of, has_aux=True)(p_train, bufs, inputs)
         leaves, out_spec = pytree.tree_flatten(out)
         out_info["spec"] = out_spec
         out_info["leaves"] = leaves

@@ -49,8 +49,9 @@ def _unsupported(node, target):
     return why
 
 
-def lower(gm, name, roles):
-    """Lower ``gm`` to an IR graph; ``roles[i]`` = (name, role) of placeholder i."""
+def lower(gm, name, roles, n_model_outputs=0):
+    """Lower ``gm`` to an IR graph; ``roles[i]`` = (name, role) of placeholder i;
+    the first ``n_model_outputs`` outputs are the model's own."""
     gm.graph.eliminate_dead_code()
     graph = Graph(name)
     env = {}
@@ -98,6 +99,8 @@ def lower(gm, name, roles):
                 continue
             cls = cost_class(target)
             val = node.meta.get("val")
+            if val is None and not node.users:
+                continue      # a check with no result (aten._linalg_check_errors)
             first = node.args[0].meta.get("val") if node.args and \
                 isinstance(node.args[0], torch.fx.Node) else None
             op = Op(len(graph.ops), node.name, target, arg(tuple(node.args)),
@@ -127,12 +130,12 @@ def lower(gm, name, roles):
         elif node.op == "output":
             if unsupported:
                 break
-            groups = [[env[n] for n in pytree.tree_leaves(g)] for g in node.args[0]]
+            outs = [env[n] for n in pytree.tree_leaves(node.args[0])]
             model_inputs = [t for t in graph.inputs if t.role == "input"]
             graph.input_writes = [model_inputs.index(t) for t in writes]
             # the model's own outputs come first; its input writes follow them
-            graph.outputs = groups[0] + list(writes.values()) + [
-                t for g in groups[1:] for t in g]
+            graph.outputs = outs[:n_model_outputs] + list(writes.values()) + \
+                outs[n_model_outputs:]
     if unsupported:
         lines = [f"  {name} (used {count}x: {why}){chr(10) + '    ' + where if where else ''}"
                  for name, (count, why, where) in unsupported.items()]

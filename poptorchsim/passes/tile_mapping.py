@@ -82,8 +82,9 @@ def map_graph(graph, target, cursor=None, variables=None, input_ipu=None, full_b
             if t.role == "const":
                 const_ipu.setdefault(t.id, op.ipu)
     for t in graph.tensors:
-        if t.role == "const":
+        if t.role == "const":      # constants stay on the tiles: always live
             spread(t, const_ipu.get(t.id, 0))
+            variables[f"{graph.name}/{t.name}"] = t
     for op in graph.ops:
         ins = [t for t in op.input_tensors() if t.nbytes]
         for out in op.outputs:

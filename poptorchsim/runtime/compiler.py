@@ -472,11 +472,12 @@ def _lower_model(capture, name, recapture):
     roles = ([(n, "param") for n in capture.param_names]
              + [(n, "buffer") for n in capture.buffer_names]
              + [(f"input{i}", "input") for i in range(len(capture.example_inputs))])
+    n_out = capture.n_tensor_outputs
     try:
-        return lower(capture.graph, name, roles)
+        return lower(capture.graph, name, roles, n_out)
     except UnsupportedOperationError:
         pass
-    return lower(recapture().graph, name, roles)
+    return lower(recapture().graph, name, roles, n_out)
 
 
 def max_grad_norm(optimizer):

@@ -1,0 +1,425 @@
+"""Capture accepts what PopTorch accepts: each program below once failed to
+compile or ran wrongly; each now runs and matches eager PyTorch.
+
+Training rows compare weights after two steps of SGD with momentum against
+the same steps in eager PyTorch; inference rows compare outputs.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import poptorchsim
+from conftest import assert_state_close, quiet_options
+
+
+class WithLoss(nn.Module):
+    """``body(x)`` and an MSE loss against ``target``."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x, target):
+        out = self.body(x)
+        return out, F.mse_loss(out, target)
+
+
+def train_both(model, inputs, steps=2, lr=0.05):
+    """``steps`` training calls on the simulated IPU and in eager PyTorch;
+    returns (sim model, eager model, sim outputs, eager outputs)."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
+    sim = poptorchsim.trainingModel(model, quiet_options(), opt)
+    got, want = [], []
+    for _ in range(steps):
+        got.append(sim(*[t.clone() for t in inputs]))
+        ref_opt.zero_grad()
+        out, loss = ref(*[t.clone() for t in inputs])
+        loss.backward()
+        ref_opt.step()
+        want.append((out.detach(), loss.detach()))
+    return model, ref, got, want
+
+
+def check_training(body, x, target, **kw):
+    model, ref, got, want = train_both(WithLoss(body), (x, target), **kw)
+    assert_state_close(model, ref, rtol=1e-4, atol=1e-5)
+    for (g_out, g_loss), (w_out, w_loss) in zip(got, want):
+        torch.testing.assert_close(g_out, w_out, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(g_loss, w_loss, rtol=1e-4, atol=1e-5)
+
+
+def check_inference(model, *inputs, **kwargs):
+    model.eval()
+    with torch.no_grad():
+        want = model(*[t.clone() for t in inputs], **kwargs)
+    got = poptorchsim.inferenceModel(copy.deepcopy(model), quiet_options())(*inputs, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    return got
+
+
+# -- attention and recurrent layers --------------------------------------------------
+class SelfAttention(nn.Module):
+    def __init__(self, causal=False, mask=False):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.causal, self.mask = causal, mask
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        mask = None
+        if self.mask:
+            mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
+        return out.transpose(1, 2).flatten(2)
+
+
+class MHA(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cls, **kw):
+        super().__init__()
+        self.rnn = cls(6, 5, **kw)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+ATTENTION_AND_RNN = {
+    "sdpa": lambda: SelfAttention(),
+    "sdpa_causal": lambda: SelfAttention(causal=True),
+    "sdpa_mask": lambda: SelfAttention(mask=True),
+    "multihead_attention": MHA,
+    "transformer_encoder": lambda: nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 2),
+    "lstm": lambda: Recurrent(nn.LSTM, batch_first=True),
+    "lstm_bidirectional_2_layers": lambda: Recurrent(nn.LSTM, num_layers=2,
+                                                     bidirectional=True, batch_first=True),
+    "gru_2_layers": lambda: Recurrent(nn.GRU, num_layers=2, batch_first=True),
+    "gru_bidirectional": lambda: Recurrent(nn.GRU, bidirectional=True, batch_first=True),
+    "rnn_tanh": lambda: Recurrent(nn.RNN, batch_first=True),
+    "rnn_relu_bidirectional": lambda: Recurrent(nn.RNN, nonlinearity="relu",
+                                                bidirectional=True, batch_first=True),
+}
+
+
+@pytest.mark.parametrize("name", list(ATTENTION_AND_RNN))
+def test_attention_and_recurrent_layers_train_and_infer(name):
+    body = ATTENTION_AND_RNN[name]()
+    width = 6 if "rnn" in name or "lstm" in name or "gru" in name else 8
+    x = torch.randn(3, 4, width)
+    check_inference(copy.deepcopy(body), x)
+    out_shape = body(x).shape
+    check_training(body, x, torch.randn(out_shape))
+
+
+def test_attention_is_costed_as_matmuls():
+    model = poptorchsim.inferenceModel(SelfAttention(causal=True), quiet_options())
+    model(torch.randn(2, 4, 8))
+    classes = {op.cost_class for op in model.getIR().graphs["inference_forward"].ops}
+    assert {"matmul", "softmax"} <= classes
+
+
+def test_lstm_packed_sequence_says_how_to_fix():
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(6, 5, batch_first=True)
+
+        def forward(self, x):
+            packed = nn.utils.rnn.pack_padded_sequence(x, [4, 3, 2], batch_first=True)
+            out, _ = self.lstm(packed)
+            return nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0]
+
+    with pytest.raises(poptorchsim.Error, match="PackedSequence.*padded tensor"):
+        poptorchsim.inferenceModel(Packed(), quiet_options())(torch.randn(3, 4, 6))
+
+
+# -- tensor constants, views, in-place ----------------------------------------------
+class ConstantAttribute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.offset = torch.randn(4)          # a plain attribute, not a buffer
+
+    def forward(self, x):
+        return self.fc(x) + self.offset
+
+
+CLOSURE = torch.randn(4)
+
+
+class ConstantClosure(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * CLOSURE + torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+
+class InPlaceOnViews(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h[:, 0] += 1
+        h[:, 1:3].clamp_(min=0)
+        return h
+
+
+class ChannelsLastNorms(nn.Module):
+    """LayerNorm on channels, Conv2d, GroupNorm, flatten (strides differ
+    between the trace's meta kernels and the real ones)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(4)
+        self.conv = nn.Conv2d(4, 8, 3)
+        self.gn = nn.GroupNorm(2, 8)
+
+    def forward(self, x):
+        h = self.ln(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.gn(self.conv(h)).flatten(1)
+
+
+class CopyInto(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        out = torch.empty(x.shape[0], 4)
+        out.copy_(self.fc(x) * 2)
+        return out
+
+
+ROWS = {
+    "constant_attribute": (ConstantAttribute, (2, 4)),
+    "constant_closure": (ConstantClosure, (2, 4)),
+    "inplace_on_views": (InPlaceOnViews, (2, 4)),
+    "layernorm_conv_groupnorm_flatten": (ChannelsLastNorms, (2, 4, 6, 6)),
+    "copy_into_new_tensor": (CopyInto, (2, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_capture_rows_train_and_infer(name):
+    cls, shape = ROWS[name]
+    body = cls()
+    x = torch.randn(shape)
+    check_inference(copy.deepcopy(body), x)
+    check_training(body, x, torch.randn(body(x).shape))
+
+
+def test_constants_are_always_live_graph_constants():
+    model = poptorchsim.inferenceModel(ConstantAttribute(), quiet_options())
+    model(torch.randn(2, 4))
+    graph = model.getIR().graphs["inference_forward"]
+    consts = [t for t in graph.tensors if t.role == "const"]
+    assert any(t.shape == (4,) for t in consts)
+    by_tensor = model.memoryReport().by_tensor
+    assert sum(int(v.sum()) for k, v in by_tensor.items()
+               if k.startswith("inference_forward/")) >= 16
+
+
+def test_one_input_linear():
+    lin = nn.Linear(1, 1)
+    check_inference(lin, torch.zeros(1))
+
+
+def test_zero_dim_input():
+    class Scale(nn.Module):
+        def forward(self, x, a):
+            return x * a
+
+    got = check_inference(Scale(), torch.ones(2), torch.tensor(3.0))
+    assert got.tolist() == [3.0, 3.0]
+
+
+class OutArgument(nn.Module):
+    def __init__(self, use_out=True):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.use_out = use_out
+
+    def forward(self, x):
+        if not self.use_out:
+            return torch.matmul(x, self.w)
+        c = torch.empty(x.shape[0], 4)
+        torch.matmul(x, self.w, out=c)
+        return c
+
+
+def test_out_argument():
+    check_inference(OutArgument(), torch.randn(2, 4))
+    # eager PyTorch refuses out= on a tensor that needs a gradient; on the IPU
+    # the program is traced, so training works and equals the plain form
+    with pytest.raises(RuntimeError, match="out="):
+        OutArgument()(torch.randn(2, 4))
+    body = OutArgument()
+    plain = OutArgument(use_out=False)
+    plain.load_state_dict(body.state_dict())
+    x, target = torch.randn(2, 4), torch.randn(2, 4)
+    model = WithLoss(body)
+    sim = poptorchsim.trainingModel(model, quiet_options(),
+                                    torch.optim.SGD(model.parameters(), lr=0.05))
+    ref = WithLoss(plain)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for _ in range(2):
+        _, loss = sim(x, target)
+        ref_opt.zero_grad()
+        ref_loss = ref(x, target)[1]
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss, ref_loss.detach())
+    assert_state_close(model, ref)
+
+
+# -- inputs ------------------------------------------------------------------------------
+class AddOne(nn.Module):
+    def forward(self, x):
+        x += 1
+        return x * 2
+
+
+def test_input_mutation_written_back():
+    x = torch.zeros(4, 3)
+    out = poptorchsim.inferenceModel(AddOne(), quiet_options())(x)
+    assert torch.equal(x, torch.ones(4, 3))
+    assert torch.equal(out, torch.full((4, 3), 2.0))
+
+
+def test_input_mutation_written_back_per_micro_batch():
+    opts = quiet_options().deviceIterations(2)
+    x = torch.arange(8.0).reshape(4, 2)
+    poptorchsim.inferenceModel(AddOne(), opts)(x)
+    assert torch.equal(x, torch.arange(8.0).reshape(4, 2) + 1)
+
+
+def test_input_mutation_written_back_in_training():
+    class Mutating(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x, target):
+            x.mul_(2)
+            out = self.fc(x)
+            return out, F.mse_loss(out, target)
+
+    model = Mutating()
+    x, y = torch.ones(2, 3), torch.randn(2, 3)
+    poptorchsim.trainingModel(model, quiet_options(),
+                              torch.optim.SGD(model.parameters(), lr=0.1))(x, y)
+    assert torch.equal(x, torch.full((2, 3), 2.0))
+
+
+class DictInputs(nn.Module):
+    def forward(self, a, b, scale=None):
+        return (a["p"] - a["q"]) * b + (0 if scale is None else scale)
+
+
+def test_dict_and_keyword_inputs_in_any_order():
+    model = poptorchsim.inferenceModel(DictInputs(), quiet_options())
+    p, q, b = torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3)
+    first = model({"p": p, "q": q}, b=b)
+    second = model(b=b, a={"q": q, "p": p})
+    torch.testing.assert_close(first, (p - q) * b)
+    torch.testing.assert_close(second, first)
+
+
+def test_dict_inputs_with_other_keys_name_the_inputs():
+    model = poptorchsim.inferenceModel(DictInputs(), quiet_options())
+    b = torch.randn(2, 3)
+    model({"p": b, "q": b}, b=b)
+    with pytest.raises(poptorchsim.Error, match="a\\[0\\]"):
+        model({"p": b, "r": b}, b=b)
+
+
+def test_none_scalar_and_nested_outputs():
+    class Nested(nn.Module):
+        def forward(self, x, scale=2.0, extra=None):
+            y = x * scale
+            return {"y": y, "pair": (y + 1, [y - 1])}
+
+    x = torch.randn(2, 3)
+    got = poptorchsim.inferenceModel(Nested(), quiet_options())(x, 3.0)
+    torch.testing.assert_close(got["y"], x * 3)
+    torch.testing.assert_close(got["pair"][1][0], x * 3 - 1)
+
+
+def test_one_hot_with_class_count_trains():
+    class OneHot(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 10)
+
+        def forward(self, x, y):
+            out = self.fc(x)
+            return out, F.mse_loss(out, F.one_hot(y, 10).float())
+
+    model = OneHot()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(3, 4), torch.tensor([1, 3, 9])
+    sim = poptorchsim.trainingModel(model, quiet_options(),
+                                    torch.optim.SGD(model.parameters(), lr=0.1))
+    sim(x, y)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref(x, y)[1].backward()
+    ref_opt.step()
+    assert_state_close(model, ref)
+
+
+def test_one_hot_without_class_count_says_how_to_fix():
+    class OneHot(nn.Module):
+        def forward(self, y):
+            return F.one_hot(y)
+
+    with pytest.raises(poptorchsim.DataDependentError, match="num_classes"):
+        poptorchsim.inferenceModel(OneHot(), quiet_options())(torch.tensor([1, 2]))
+
+
+def test_mixed_half_and_float_follows_type_promotion():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4).half()
+
+        def forward(self, x):
+            return self.fc(x.half()) + x           # half + float -> float
+
+    model = Mixed()
+    x = torch.randn(2, 4)
+    got = poptorchsim.inferenceModel(copy.deepcopy(model), quiet_options())(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, model(x), rtol=1e-3, atol=1e-3)
+
+
+def test_mixed_dtype_matmul_is_rejected_at_compile_time_as_in_pytorch():
+    class Mismatch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4).half()
+
+        def forward(self, x):
+            return self.fc(x)
+
+    with pytest.raises(Exception) as eager:
+        Mismatch()(torch.randn(2, 4))
+    with pytest.raises(Exception) as sim:
+        poptorchsim.inferenceModel(Mismatch(), quiet_options())(torch.randn(2, 4))
+    assert "dtype" in str(sim.value) and "dtype" in str(eager.value)
