@@ -11,6 +11,9 @@ tile follows the bytes of the result on that tile (an array over tiles):
   at a quarter of that rate;
 * reductions: a local pass, then partials exchanged and reduced in a second
   superstep;
+* gathers and scatters: indices and selected rows cross the exchange, one
+  element addressed at a time;
+* sorts and scans: log-depth rounds of compare-exchange (sorting networks);
 * views are free; copies cost exchange.
 
 Every superstep pays one sync.  A step's cycles are the sum, over its
@@ -145,6 +148,11 @@ def op_cost(op, target, amp=0.6):
         cost.exchange = _exchange_cycles(moved, target)
         return cost
 
+    if cls == "gather":
+        return _gather_cost(op, target, outs, out_max, item, cost)
+    if cls == "sort":
+        return _sort_cost(op, target, outs, cost)
+
     ins = op.input_tensors()
     in_bytes = sum(t.nbytes for t in ins)
     spread_in = float(max((t.mapping.max_bytes() for t in ins), default=0))
@@ -162,6 +170,59 @@ def op_cost(op, target, amp=0.6):
     cost.exchange = _exchange_cycles(out_max, target)
     cost.compute = out_max / _vector_rate(target) + VERTEX_OVERHEAD
     return cost
+
+
+def _gather_cost(op, target, outs, out_max, item, cost):
+    """Indexed reads and writes (gather, scatter, index, embedding): the
+    indices and the rows they select cross the exchange, and each element is
+    addressed on its own, so the vector unit moves one element (not one
+    64-bit vector) per ``CYCLES_PER_VECTOR`` cycles."""
+    ints = [t for t in op.input_tensors() if not t.dtype.is_floating_point]
+    index_bytes = max((t.mapping.max_bytes() for t in ints), default=0)
+    cost.exchange = _exchange_cycles(out_max + index_bytes, target)
+    cost.compute = out_max * CYCLES_PER_VECTOR / item + VERTEX_OVERHEAD
+    cost.sync = 2 * target.sync_cycles           # exchange indices, then rows
+    return cost
+
+
+_SORTS = ("sort", "topk", "kthvalue", "median", "nanmedian", "mode", "argsort", "msort")
+
+
+def _sort_cost(op, target, outs, cost):
+    """Sorting networks and scans: ``r = ceil(log2 n)`` over the ``n``
+    elements of the sorted dimension.  A bitonic sort takes r(r+1)/2
+    compare-exchange rounds, a scan (cumsum, searchsorted) r rounds; each
+    round passes over the tile's data, and the rounds whose partners sit on
+    other tiles exchange it."""
+    ins = op.input_tensors()
+    name = op.target.overloadpacket.__name__
+    data = ins[-1] if name == "searchsorted" else (ins[0] if ins else outs[0])
+    n = _sorted_length(op, data)
+    r = max(1, int(np.ceil(np.log2(max(n, 2)))))
+    rounds = r * (r + 1) // 2 if name in _SORTS else r
+    per_tile = float(data.mapping.max_bytes())
+    spread = max(1, data.mapping.n_tiles)
+    remote = min(rounds, int(np.ceil(np.log2(spread))) * (r + 1) // 2) if spread > 1 else 0
+    cost.compute = rounds * (per_tile / _vector_rate(target) + VERTEX_OVERHEAD)
+    cost.exchange = remote * _exchange_cycles(per_tile, target)
+    cost.sync = (1 + remote) * target.sync_cycles
+    cost.flops = rounds * data.numel
+    return cost
+
+
+def _sorted_length(op, data):
+    """Elements along the dimension ``op`` sorts or scans."""
+    if not data.shape:
+        return 1
+    name = op.target.overloadpacket.__name__
+    pos = 2 if name in ("topk", "kthvalue") else 1
+    dim = op.kwargs.get("dim", op.args[pos] if len(op.args) > pos else -1)
+    if name in ("searchsorted", "bucketize"):
+        boundaries = op.args[0] if name == "searchsorted" else op.args[1]
+        return boundaries.shape[-1] if getattr(boundaries, "shape", None) else 1
+    if not isinstance(dim, int):
+        return data.numel
+    return data.shape[dim]
 
 
 AMP_IN_GROUP = 8                # input channels an AMP unit takes at once (fp32)
