@@ -1,6 +1,8 @@
 """Command line: ``python -m poptorchsim report DIR`` prints the simulation
 reports written under DIR by ``Options.enableProfiling(DIR)`` (or
-``POPLAR_ENGINE_OPTIONS='{"autoReport.all":"true","autoReport.directory":"DIR"}'``)."""
+``POPLAR_ENGINE_OPTIONS='{"autoReport.all":"true","autoReport.directory":"DIR"}'``);
+``python -m poptorchsim ops DIR`` lists the ATen operations each model uses,
+with their cost class and cycles."""
 import argparse
 import json
 import os
@@ -8,7 +10,8 @@ import sys
 
 
 def _report(args):
-    from .profiling import find_reports, summary
+    from .profiling import find_reports, op_table, summary
+    show = op_table if args.command == "ops" else summary
     if not os.path.isdir(args.directory):
         print(f"poptorchsim report: {args.directory!r} is not a directory", file=sys.stderr)
         return 2
@@ -23,7 +26,7 @@ def _report(args):
         try:
             with open(path) as f:
                 report = json.load(f)
-            text = summary(report)
+            text = show(report)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             print(f"poptorchsim report: cannot read {path}: {exc!r}", file=sys.stderr)
             return 1
@@ -46,6 +49,13 @@ def main(argv=None):
                     "holding one subdirectory per model.")
     report.add_argument("directory", metavar="DIR")
     report.set_defaults(run=_report)
+    ops = commands.add_parser(
+        "ops", help="list the ATen operations of every report under a directory",
+        description="For every simulation report (profile.json) in DIR and its "
+                    "subdirectories: each ATen operation the program holds, how often, its "
+                    "cost class and its cycles per call, costliest first.")
+    ops.add_argument("directory", metavar="DIR")
+    ops.set_defaults(run=_report)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -66,7 +66,7 @@ class EncoderClassifier(nn.Module):
 
 class Seq2Seq(nn.Module):
     """nn.Transformer (3 encoder and 3 decoder layers) with a causal target
-    mask; returns the decoder's output features."""
+    mask; returns the decoder's output features (an MSE target)."""
 
     def __init__(self, features=8, d_model=32, heads=4, layers=3):
         super().__init__()
@@ -79,7 +79,10 @@ class Seq2Seq(nn.Module):
 
     def forward(self, src, tgt):
         mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
-        y = self.transformer(self.src_proj(src), self.tgt_proj(tgt), tgt_mask=mask)
+        # tgt_is_causal=True: without it nn.Transformer compares the mask with
+        # a causal one (torch.equal), which a traced, static program cannot do
+        y = self.transformer(self.src_proj(src), self.tgt_proj(tgt), tgt_mask=mask,
+                             tgt_is_causal=True)
         return self.out(y)
 
 

@@ -121,6 +121,21 @@ def test_cli_prints_the_summary(profile_root):
     assert summary(report) in result.stdout
 
 
+def test_cli_lists_operations_with_class_and_cycles(profile_root):
+    result = subprocess.run(
+        [sys.executable, "-m", "poptorchsim", "ops", str(profile_root)],
+        capture_output=True, text=True, env=_env(), timeout=120)
+    assert result.returncode == 0, result.stderr
+    (report,) = load_reports(str(profile_root))
+    kinds = {op["op"] for op in report["ops"]}
+    lines = [line for line in result.stdout.splitlines() if line.startswith("aten.")]
+    assert {line.split()[0] for line in lines} == kinds
+    mm = next(line for line in lines if line.startswith("aten.addmm"))
+    assert mm.split()[1] == "matmul"
+    shares = [float(line.split()[-1].rstrip("%")) for line in lines]
+    assert 0 < sum(shares) <= 100.5
+
+
 def test_cli_without_reports_fails_clearly(tmp_path):
     # -X importtime also shows that the command never imports matplotlib
     result = subprocess.run(

@@ -10,9 +10,9 @@ import json
 import os
 
 from .page import render
-from .text import summary
+from .text import op_table, summary
 
-__all__ = ["write_report", "summary", "load_reports", "find_reports"]
+__all__ = ["write_report", "summary", "op_table", "load_reports", "find_reports"]
 
 REPORT_FILE = "profile.json"
 

@@ -114,3 +114,24 @@ def summary(report, top=5):
     lines.append(f"Estimated {fmt_seconds(cyc['seconds_per_call'])} per call{of}: "
                  f"{fmt_count(cyc['samples_per_second'])} samples/s")
     return "\n".join(lines)
+
+
+def op_table(report):
+    """Every ATen operation the compiled model uses, once per operation: how
+    many times the program holds it, its cost class, and its cycles per call
+    (all ops of that kind together), costliest first."""
+    per_call = report["cycles"]["per_call"]["total"] or 1.0
+    rows = {}
+    for op in report["ops"]:
+        row = rows.setdefault(op["op"], {"op": op["op"], "class": op["class"], "count": 0,
+                                         "cycles_per_call": 0.0})
+        row["count"] += 1
+        row["cycles_per_call"] += op["cycles_per_call"]
+    rows = sorted(rows.values(), key=lambda r: -r["cycles_per_call"])
+    width = max([len(r["op"]) for r in rows] + [len("operation")])
+    lines = [f"{'operation':<{width}}  {'class':<14} {'uses':>5}  {'cycles per call':>15}  share"]
+    for r in rows:
+        lines.append(f"{r['op']:<{width}}  {r['class']:<14} {r['count']:>5}  "
+                     f"{fmt_count(r['cycles_per_call']):>15}  "
+                     f"{100 * r['cycles_per_call'] / per_call:5.1f}%")
+    return "\n".join(lines)
