@@ -307,6 +307,10 @@ def capture_update(kind, shapes, group_of, flags_per_group, max_grad_norm=None):
     """
     state_names, hyper_names, rule = _opt.RULES[kind]
     n_groups = len(flags_per_group)
+    if max_grad_norm is None and shapes:
+        stitched = _update_by_parameter(kind, shapes, group_of, flags_per_group)
+        if stitched is not None:
+            return stitched
 
     def update(params, grads, state, steps, hyper, grad_scale):
         new_params, new_state, new_steps = [], [], []
@@ -336,3 +340,63 @@ def capture_update(kind, shapes, group_of, flags_per_group, max_grad_norm=None):
     )
     with _tracing_scope():
         return make_fx(update, tracing_mode="fake")(*example)
+
+
+def _update_by_parameter(kind, shapes, group_of, flags_per_group):
+    """The update graph of ``capture_update`` built from one small trace per
+    distinct (shape, param group), copied once per parameter: without global
+    clipping every parameter's update is independent, and models repeat a
+    few shapes many times (tracing each op costs about a millisecond).
+    None when a traced rule holds tensor constants."""
+    state_names, hyper_names, rule = _opt.RULES[kind]
+    n, n_s, n_h = len(shapes), len(state_names), len(hyper_names)
+
+    def one(flags):
+        def update(param, grad, state, step, hyper, grad_scale):
+            step = step + 1
+            p_new, s_new = rule(param, grad * grad_scale, state, dict(zip(hyper_names, hyper)),
+                                step, flags)
+            return p_new, list(s_new), step
+        return update
+
+    traced = {}
+    with _tracing_scope():
+        for shape, grp in dict.fromkeys(zip(map(tuple, shapes), group_of)):
+            example = (torch.zeros(shape), torch.zeros(shape),
+                       [torch.zeros(shape) for _ in state_names],
+                       torch.zeros((), dtype=torch.float32),
+                       [torch.zeros((), dtype=torch.float64) for _ in hyper_names],
+                       torch.ones((), dtype=torch.float32))
+            gm = make_fx(one(flags_per_group[grp]), tracing_mode="fake")(*example)
+            if any(node.op == "get_attr" for node in gm.graph.nodes):
+                return None
+            traced[shape, grp] = gm
+    graph = torch.fx.Graph()
+
+    def inputs(prefix, count):
+        return [graph.placeholder(f"{prefix}_{k}") for k in range(count)]
+
+    params, grads = inputs("params", n), inputs("grads", n)
+    state = [inputs(f"state_{i}", n_s) for i in range(n)]
+    steps = inputs("steps", n)
+    hyper = inputs("hyper", len(flags_per_group) * n_h)
+    grad_scale, = inputs("grad_scale", 1)
+    new_params, new_state, new_steps = [], [], []
+    for i, (shape, grp) in enumerate(zip(map(tuple, shapes), group_of)):
+        sub = traced[shape, grp].graph
+        ours = ([params[i], grads[i]] + state[i] + [steps[i]]
+                + hyper[grp * n_h:(grp + 1) * n_h] + [grad_scale])
+        theirs = [node for node in sub.nodes if node.op == "placeholder"]
+        for mine, node in zip(ours, theirs):
+            mine.meta.setdefault("val", node.meta["val"])
+        outs = pytree.tree_leaves(graph.graph_copy(sub, dict(zip(theirs, ours))))
+        new_params.append(outs[0])                 # make_fx returns a flat list
+        new_state.append(outs[1:1 + n_s])
+        new_steps.append(outs[1 + n_s])
+    example = traced[next(iter(traced))].graph
+    scalar = next(node for node in example.nodes if node.op == "placeholder"
+                  and node.meta["val"].dtype == torch.float64) if n_h else None
+    for node in hyper:                     # groups without trainable parameters
+        node.meta.setdefault("val", scalar.meta["val"])
+    graph.output((new_params, new_state, new_steps))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
