@@ -23,10 +23,28 @@ from ..ir.ops import is_native
 
 aten = torch.ops.aten
 
-# Batch norm mutates its running statistics without saying so in its schema;
-# its functional decomposition makes the update visible.
-_ALWAYS = (aten.native_batch_norm, aten._native_batch_norm_legit,
-           aten._native_batch_norm_legit_no_training)
+# Batch norm's mutating variant changes its running statistics in place;
+# PyTorch's decomposition of it makes the update visible.
+_ALWAYS = (aten._native_batch_norm_legit,)
+
+
+def _native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum,
+                       eps):
+    """``native_batch_norm`` updates its running statistics without saying so
+    in its schema.  Traced as the fused functional kernel plus explicit
+    copies of the new statistics, so the update is visible in the graph and
+    the engine still runs one kernel (not a dozen element-wise ops)."""
+    if running_mean is None:
+        return aten._native_batch_norm_legit.no_stats(input, weight, bias, training,
+                                                      momentum, eps)
+    if not training:
+        return aten._native_batch_norm_legit_no_training(input, weight, bias, running_mean,
+                                                         running_var, momentum, eps)
+    out, mean, rstd, new_mean, new_var = aten._native_batch_norm_legit_functional(
+        input, weight, bias, running_mean, running_var, True, momentum, eps)
+    running_mean.copy_(new_mean)
+    running_var.copy_(new_var)
+    return out, mean, rstd
 
 
 def _aten_to_aten(fn):
@@ -43,6 +61,7 @@ def _table():
                     and _aten_to_aten(fn) and op.namespace == "aten":
                 table[op] = fn
     table.update(get_decompositions(list(_ALWAYS)))
+    table[aten.native_batch_norm.default] = _native_batch_norm
     return table
 
 

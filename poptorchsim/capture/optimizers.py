@@ -15,6 +15,12 @@ import torch
 RULES = {}
 
 
+def _step(param, direction, size):
+    """``param - size * direction`` in one pass (``size`` a 0-d tensor), as
+    torch.optim's ``param.add_(direction, alpha=-size)``."""
+    return torch.addcmul(param, direction, -size)
+
+
 def _rule(name, state, hyper):
     def register(fn):
         RULES[name] = (state, hyper, fn)
@@ -37,7 +43,7 @@ def sgd(param, grad, state, h, step, flags):
             accumulated = torch.where(step > 1, accumulated, grad)
         buf = accumulated
         grad = grad + h["momentum"] * buf if flags["nesterov"] else buf
-    return param - h["lr"] * grad, (buf,)
+    return _step(param, grad, h["lr"]), (buf,)
 
 
 def _adam_like(param, grad, state, h, step, flags, decoupled):
@@ -56,7 +62,7 @@ def _adam_like(param, grad, state, h, step, flags, decoupled):
     bias_correction2 = 1 - beta2 ** step
     step_size = h["lr"] / bias_correction1
     denom = exp_avg_sq.sqrt() / bias_correction2.sqrt() + h["eps"]
-    return param - step_size * (exp_avg / denom), (exp_avg, exp_avg_sq)
+    return _step(param, exp_avg / denom, step_size), (exp_avg, exp_avg_sq)
 
 
 @_rule("adam", state=("exp_avg", "exp_avg_sq"),
@@ -88,8 +94,8 @@ def rmsprop(param, grad, state, h, step, flags):
         avg = square_avg.sqrt() + h["eps"]
     if flags["momentum"]:
         buf = buf * h["momentum"] + grad / avg
-        return param - h["lr"] * buf, (square_avg, buf, grad_avg)
-    return param - h["lr"] * (grad / avg), (square_avg, buf, grad_avg)
+        return _step(param, buf, h["lr"]), (square_avg, buf, grad_avg)
+    return _step(param, grad / avg, h["lr"]), (square_avg, buf, grad_avg)
 
 
 def optimizer_kind(optimizer):

@@ -297,24 +297,28 @@ def _finish(capture, out_info):
     return capture
 
 
-def capture_update(kind, shapes, group_of, flags_per_group, max_grad_norm=None):
+def capture_update(kind, shapes, group_of, flags_per_group, max_grad_norm=None,
+                   unit_scale=False):
     """Trace one optimizer step over every trainable parameter.
 
     ``shapes``: parameter shapes in order; ``group_of[i]``: its param_group;
     ``flags_per_group``: the structural flags of each group;
     ``max_grad_norm``: clip by the global gradient norm first (PopTorch's
-    optimizers' argument; ``clip_grad_norm_``'s formula).
+    optimizers' argument; ``clip_grad_norm_``'s formula); ``unit_scale``:
+    the gradient scale input is 1 (one micro-batch on one replica per
+    update), so gradients are used as they are.
     """
     state_names, hyper_names, rule = _opt.RULES[kind]
     n_groups = len(flags_per_group)
     if max_grad_norm is None and shapes:
-        stitched = _update_by_parameter(kind, shapes, group_of, flags_per_group)
+        stitched = _update_by_parameter(kind, shapes, group_of, flags_per_group, unit_scale)
         if stitched is not None:
             return stitched
 
     def update(params, grads, state, steps, hyper, grad_scale):
         new_params, new_state, new_steps = [], [], []
-        grads = [g * grad_scale for g in grads]
+        if not unit_scale:
+            grads = [g * grad_scale for g in grads]
         if max_grad_norm is not None:
             total = torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(g) for g in grads]))
@@ -342,7 +346,7 @@ def capture_update(kind, shapes, group_of, flags_per_group, max_grad_norm=None):
         return make_fx(update, tracing_mode="fake")(*example)
 
 
-def _update_by_parameter(kind, shapes, group_of, flags_per_group):
+def _update_by_parameter(kind, shapes, group_of, flags_per_group, unit_scale):
     """The update graph of ``capture_update`` built from one small trace per
     distinct (shape, param group), copied once per parameter: without global
     clipping every parameter's update is independent, and models repeat a
@@ -354,8 +358,8 @@ def _update_by_parameter(kind, shapes, group_of, flags_per_group):
     def one(flags):
         def update(param, grad, state, step, hyper, grad_scale):
             step = step + 1
-            p_new, s_new = rule(param, grad * grad_scale, state, dict(zip(hyper_names, hyper)),
-                                step, flags)
+            grad = grad if unit_scale else grad * grad_scale
+            p_new, s_new = rule(param, grad, state, dict(zip(hyper_names, hyper)), step, flags)
             return p_new, list(s_new), step
         return update
 

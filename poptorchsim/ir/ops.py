@@ -94,7 +94,8 @@ _CLASSES = {
         upsample_bicubic2d upsample_bicubic2d_backward _upsample_bilinear2d_aa
         grid_sampler_2d grid_sampler_2d_backward""",
     "norm": """native_layer_norm native_layer_norm_backward native_batch_norm_backward
-        _native_batch_norm_legit_functional native_group_norm
+        _native_batch_norm_legit_functional _native_batch_norm_legit_no_training
+        _native_batch_norm_legit native_batch_norm native_group_norm
         native_group_norm_backward""",
 }
 

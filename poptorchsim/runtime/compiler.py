@@ -375,7 +375,8 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
         model, args, kwargs, in_optimizer, stack_traces=True))
 
     shards = _sharded_state(model, optimizer, capture, settings, rf * processes)
-    update_graph, kind, group_of, flags = _build_update(model, optimizer, capture, shards)
+    update_graph, kind, group_of, flags = _build_update(model, optimizer, capture, shards,
+                                                        unit_scale=ga * rf * processes == 1)
     in_bytes = _bytes((t.shape, t.dtype)
                       for t in capture.example_inputs) * ga * rf * di
     program = Program("training", {"training_step": step_graph,
@@ -486,11 +487,12 @@ def max_grad_norm(optimizer):
     return None if value is None or value == float("inf") else float(value)
 
 
-def _build_update(model, optimizer, capture, shards=None):
+def _build_update(model, optimizer, capture, shards=None, unit_scale=False):
     """The optimizer-update graph for ``optimizer`` over the trainable params.
 
     A parameter in ``shards`` (name -> R) is updated as one replica's shard:
-    a flat tensor of ceil(numel / R) elements."""
+    a flat tensor of ceil(numel / R) elements.  ``unit_scale``: one
+    micro-batch per update on one replica, so gradients need no scaling."""
     shards = shards or {}
     kind = opt_rules.optimizer_kind(optimizer)
     group_index, flags = {}, []
@@ -503,7 +505,8 @@ def _build_update(model, optimizer, capture, shards=None):
     group_of = [group_index[id(params[n])] for n in names]
     shapes = [(-(-params[n].numel() // shards[n]),) if n in shards else tuple(params[n].shape)
               for n in names]
-    update_fx = capture_update(kind, shapes, group_of, flags, max_grad_norm(optimizer))
+    update_fx = capture_update(kind, shapes, group_of, flags, max_grad_norm(optimizer),
+                               unit_scale)
     state_names, hyper_names, _ = opt_rules.RULES[kind]
     roles = ([(n, "param") for n in names] + [(f"grad/{n}", "accumulator") for n in names]
              + [(f"{s}/{n}", "state") for n in names for s in state_names]
@@ -521,7 +524,9 @@ def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False):
     program = compiled.program
     shards = _sharded_state(model, optimizer, compiled.capture, settings,
                             program.total_replicas)
-    graph, kind, group_of, flags = _build_update(model, optimizer, compiled.capture, shards)
+    graph, kind, group_of, flags = _build_update(
+        model, optimizer, compiled.capture, shards,
+        unit_scale=program.accumulation * program.total_replicas == 1)
     program.graphs["optimizer_update"] = graph
     program.sharded_state = set(shards)
     variables = {}
