@@ -75,3 +75,55 @@ def test_operator_matches_eager(name):
     assert outcome == "ok"
     assert name not in REJECTED and name not in REJECTED_IN_TRAINING, \
         f"{name} now works: remove it from the rejection table"
+
+
+# -- cost classes --------------------------------------------------------------------------
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import poptorchsim  # noqa: E402
+
+
+class Apply(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *xs):
+        return self.fn(*xs)
+
+
+def _ops(fn, *inputs):
+    model = poptorchsim.inferenceModel(
+        Apply(fn), poptorchsim.Options().showCompilationProgressBar(False))
+    model(*inputs)
+    report = model.simulationReport()
+    return {op["op"].split(".")[1]: op for op in report["ops"]}
+
+
+@pytest.mark.parametrize("fn, op, cls", [
+    (lambda x, i: x.gather(1, i), "gather", "gather"),
+    (lambda x, i: x.scatter_reduce(1, i, x, "amax"), "scatter_reduce", "gather"),
+    (lambda x, i: torch.sort(x)[0], "sort", "sort"),
+    (lambda x, i: torch.topk(x, 3)[0], "topk", "sort"),
+    (lambda x, i: torch.cumsum(x, 1), "cumsum", "sort"),
+    (lambda x, i: x @ x.t(), "mm", "matmul"),
+    (lambda x, i: torch.erf(x), "erf", "transcendental"),
+    (lambda x, i: torch.nn.functional.glu(x), "glu", "elementwise"),
+])
+def test_every_lowered_op_has_a_cost(fn, op, cls):
+    x = torch.randn(64, 32)
+    i = torch.randint(0, 32, (64, 32))
+    ops = _ops(fn, x, i)
+    assert ops[op]["class"] == cls
+    assert ops[op]["cycles"] > 0
+
+
+def test_sort_costs_grow_as_a_sorting_network():
+    """A bitonic sort of n elements takes log2(n)(log2(n)+1)/2 rounds over
+    its data: sorting 16x longer rows costs more than 16x the cycles."""
+    short = _ops(lambda x: torch.sort(x)[0], torch.randn(16, 256))["sort"]["cycles"]
+    long = _ops(lambda x: torch.sort(x)[0], torch.randn(16, 4096))["sort"]["cycles"]
+    scan = _ops(lambda x: torch.cumsum(x, 1), torch.randn(16, 4096))["cumsum"]["cycles"]
+    assert long > short
+    assert scan < long          # a scan takes log2(n) rounds, a sort log2(n)^2 / 2

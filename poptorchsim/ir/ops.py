@@ -52,14 +52,19 @@ _CLASSES = {
         index_select index_add index_copy index_fill index_reduce embedding
         embedding_dense_backward _embedding_bag _embedding_bag_backward
         _embedding_bag_dense_backward _embedding_bag_per_sample_weights_backward
-        masked_fill masked_scatter take put""",
+        masked_fill masked_scatter take put _embedding_bag_forward_only segment_reduce
+        _segment_reduce_backward histc histogram _histogramdd_from_bin_cts""",
     "creation": """zeros ones full empty zeros_like ones_like full_like empty_like
         scalar_tensor arange empty_strided linspace logspace eye""",
     "random": """bernoulli rand randn rand_like randn_like native_dropout
         native_dropout_backward uniform normal randint randperm rrelu_with_noise
         rrelu_with_noise_functional""",
     "matmul": """mm addmm bmm matmul baddbmm addmv mv dot linear _cdist_forward
-        _cdist_backward""",
+        _cdist_backward addbmm addr vdot _trilinear _pdist_forward _pdist_backward
+        linalg_solve_triangular triangular_solve cholesky_solve cholesky_inverse
+        linalg_cholesky_ex linalg_lu_factor_ex linalg_lu_solve linalg_lu linalg_inv_ex
+        _linalg_det _linalg_slogdet _linalg_solve_ex linalg_matrix_exp
+        linalg_ldl_factor_ex linalg_ldl_solve""",
     "conv": """convolution convolution_backward""",
     "elementwise": """add sub mul div neg abs relu threshold_backward clamp clamp_min
         clamp_max where eq ne lt le gt ge maximum minimum logical_not logical_and
@@ -69,12 +74,14 @@ _CLASSES = {
         _softmax_backward_data _log_softmax_backward_data elu elu_backward
         hardsigmoid hardswish hardsigmoid_backward hardswish_backward sigmoid_backward
         tanh_backward gelu_backward silu_backward isnan isinf sgn signbit nan_to_num
-        logical_xor bitwise_xor atan2 hypot frac""",
+        logical_xor bitwise_xor atan2 hypot frac glu glu_backward softshrink_backward
+        hardshrink_backward linalg_cross""",
     "transcendental": """exp log sqrt rsqrt tanh sigmoid erf gelu silu sin cos log1p
         expm1 exp2 log2 log10 softplus softplus_backward mish tan atan asin acos
         sinh cosh asinh acosh atanh erfinv erfc""",
     "reduction": """sum mean amax amin max min prod var var_mean std std_mean argmax
-        argmin any all norm linalg_vector_norm logsumexp nansum""",
+        argmin any all norm linalg_vector_norm logsumexp nansum trace count_nonzero
+        renorm""",
     "sort": """sort topk kthvalue median nanmedian mode argsort msort cumsum cumprod
         cummax cummin logcumsumexp _cummax_helper _cummin_helper searchsorted
         bucketize""",
@@ -82,7 +89,9 @@ _CLASSES = {
     "loss": """nll_loss_forward nll_loss_backward nll_loss2d_forward
         nll_loss2d_backward mse_loss mse_loss_backward l1_loss smooth_l1_loss
         smooth_l1_loss_backward binary_cross_entropy binary_cross_entropy_backward
-        binary_cross_entropy_with_logits huber_loss huber_loss_backward""",
+        binary_cross_entropy_with_logits huber_loss huber_loss_backward
+        multi_margin_loss multi_margin_loss_backward multilabel_margin_loss_forward
+        multilabel_margin_loss_backward""",
     "pool": """max_pool2d_with_indices max_pool2d_with_indices_backward avg_pool2d
         avg_pool2d_backward _adaptive_avg_pool2d _adaptive_avg_pool2d_backward
         adaptive_max_pool2d adaptive_max_pool2d_backward max_pool1d avg_pool1d
@@ -92,7 +101,8 @@ _CLASSES = {
         upsample_bilinear2d upsample_bilinear2d_backward upsample_linear1d
         upsample_linear1d_backward upsample_trilinear3d upsample_trilinear3d_backward
         upsample_bicubic2d upsample_bicubic2d_backward _upsample_bilinear2d_aa
-        grid_sampler_2d grid_sampler_2d_backward""",
+        grid_sampler_2d grid_sampler_2d_backward grid_sampler_3d grid_sampler_3d_backward
+        fractional_max_pool2d fractional_max_pool3d _upsample_bilinear2d_aa_backward""",
     "norm": """native_layer_norm native_layer_norm_backward native_batch_norm_backward
         _native_batch_norm_legit_functional _native_batch_norm_legit_no_training
         _native_batch_norm_legit native_batch_norm native_group_norm
