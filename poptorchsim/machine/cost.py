@@ -244,7 +244,7 @@ def _plan_matmul(op, target, amp, outs, item, cost):
     """
     tiles = target.tiles
     macs, _ = _macs(op)
-    k_ch, o_ch = _channels(op)
+    k_ch, o_ch = (max(1, int(c)) for c in _channels(op))
     fill = (min(k_ch, AMP_IN_GROUP) / _ceil_to(min(k_ch, AMP_IN_GROUP), AMP_IN_GROUP)
             * o_ch / _ceil_to(o_ch, AMP_OUT_GROUP))
     amp_rate = target.amp_macs_fp16 if item == 2 else target.amp_macs_fp32
