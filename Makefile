@@ -11,6 +11,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet torch==2.14.1 torchvision==0.29.1 || $(BIN)/pip install --quiet "torch>=2.4" "torchvision>=0.19"
 	$(BIN)/pip install --quiet -e ".[examples,dev]"
+	$(BIN)/pip install --quiet -e ".[transformers]" || echo "transformers not installed: the Hugging Face tests will skip"
 	touch $(STAMP)
 
 run: $(STAMP)
