@@ -13,22 +13,17 @@ import torch.utils._pytree as pytree
 
 from .. import enums
 from ..capture import optimizers as opt_rules
-from ..capture.trace import bind_inputs
-from ..errors import BatchDimensionError, Error, InputMismatchError
+from ..errors import Error
 from ..machine.engine import Engine, OutputCollector, shard, unshard
 from ..machine.targets import default_target
 from . import compiler
 from .engine_options import allow_out_of_memory, profiling_directory
+from .inputs import ModelInputs
 from .perf import call_timeline, latency
 
 logger = logging.getLogger("poptorchsim")
 
 NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
-MISMATCH_SUFFIX = (
-    "\nThis error occurred because the inputs passed at runtime don't match the "
-    "inputs used to compile the model.\nTo recompile the model for the new inputs "
-    "create a new inferenceModel / trainingModel wrapper or call destroy() on the "
-    "curent one and try again.")
 BACKWARD_ERR = (
     "backward() cannot be called explicitly on outputs of a PopTorch model. If "
     "you're using a trainingModel, the backwards pass is performed automatically "
@@ -45,30 +40,6 @@ class _DeviceState:
 
 def _raise_backward(*_args, **_kwargs):
     raise Error(BACKWARD_ERR)
-
-
-def _leaf_names(args, kwargs, arg_names):
-    """A readable name for every leaf of (args, kwargs), e.g. ``x`` or ``batch[1]``."""
-    names = []
-    for name, value in list(zip(arg_names, args)) + list(kwargs.items()):
-        leaves, _ = pytree.tree_flatten(value)
-        if len(leaves) == 1 and not isinstance(value, (list, tuple, dict)):
-            names.append(name)
-        else:
-            names.extend(f"{name}[{i}]" for i in range(len(leaves)))
-    return names
-
-
-def _reorder_like(value, like):
-    """``value`` with its dicts' keys in the order of ``like``'s (the inputs
-    the model was compiled with): dict inputs may come in any key order."""
-    if isinstance(value, dict) and isinstance(like, dict) and set(value) == set(like):
-        return type(value)((k, _reorder_like(value[k], like[k])) for k in like)
-    if isinstance(value, (list, tuple)) and type(value) is type(like) \
-            and len(value) == len(like):
-        items = [_reorder_like(a, b) for a, b in zip(value, like)]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    return value
 
 
 def _input_independent_outputs(compiled):
@@ -97,9 +68,7 @@ class PoplarExecutor:
         self._destroyed = False
         self._perf = None
         self._sim_clock = 0.0
-        self._input_template = None
-        self._input_structure = None     # (args, kwargs) compiled for, tensors as None
-        self._call_tensors = []          # the caller's input tensors of this call
+        self._inputs = ModelInputs(model)
         self._group = None              # distributed: the gloo process group
         self._broadcast_done = False
         self._target = default_target(options._values.get("ipu_model_version"))
@@ -132,81 +101,13 @@ class PoplarExecutor:
         rf = o.replication_factor // o.input_group_size
         return o.device_iterations, ga, rf
 
-    def _check_batch(self, leaves):
-        di, ga, rf = self._factors()
-        o = self._options
-        factor = di * ga * rf
-        for leaf in leaves:
-            if not isinstance(leaf, torch.Tensor):
-                continue
-            dim0 = leaf.shape[0] if leaf.dim() else 1
-            if dim0 % factor:
-                raise BatchDimensionError(
-                    f"Invalid batch dimension: In the input {tuple(leaf.shape)}, the "
-                    f"batch dimension ({dim0}) must be a multiple of "
-                    f"Options.deviceIterations({di}) * (Options.replicationFactor("
-                    f"{o.replication_factor}) / Options.inputReplicaGrouping."
-                    f"input_group_size({o.input_group_size})) * "
-                    f"Options.Training.gradientAccumulation({ga}) = {factor} because it "
-                    "is used to calculate the batch size which will be executed on the "
-                    "device in any given iteration. For a full explanation see the "
-                    "batching semantics page of the documentation.")
-
-    def _prepare(self, args, kwargs):
-        """Bind, convert float64 to float32, and flatten the call's inputs."""
-        args, kwargs = bind_inputs(self._user_model, args, kwargs)
-        if self._input_structure is not None:
-            args, kwargs = _reorder_like((args, kwargs), self._input_structure)
-        self._call_tensors = [t for t in pytree.tree_leaves((args, kwargs))
-                              if isinstance(t, torch.Tensor)]
-        args, kwargs = pytree.tree_map_only(
-            torch.Tensor, lambda t: t.float() if t.dtype == torch.float64 else t,
-            (args, kwargs))
-        import inspect
-        arg_names = list(inspect.signature(self._user_model.forward).parameters)
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor) and leaf.numel() == 0:
-                raise Error("Zero-sized tensors are unsupported (Got shape "
-                            f"{list(leaf.shape)})")
-        return args, kwargs, leaves, spec, _leaf_names(args, kwargs, arg_names)
-
-    def _validate(self, leaves, spec, names):
-        expected_leaves, expected_spec, expected_names = self._input_template
-        if len(leaves) == len(expected_leaves) and spec != expected_spec:
-            raise InputMismatchError(
-                f"Input structure mismatch: the model was compiled for inputs "
-                f"{expected_names} but got {names}." + MISMATCH_SUFFIX)
-        if len(leaves) != len(expected_leaves):
-            raise InputMismatchError(
-                f"Number of positional arguments mismatch: expected "
-                f"{len(expected_leaves)} arguments but got {len(leaves)}." + MISMATCH_SUFFIX)
-        for name, got, want in zip(names, leaves, expected_leaves):
-            if isinstance(want, torch.Tensor):
-                if not isinstance(got, torch.Tensor):
-                    raise InputMismatchError(
-                        f"Type mismatch for {name}: expected {torch.Tensor} but got "
-                        f"{type(got)}" + MISMATCH_SUFFIX)
-                if got.dtype != want.dtype:
-                    raise InputMismatchError(
-                        f"Data type mismatch for {name}: expected {want.dtype} but got "
-                        f"{got.dtype}" + MISMATCH_SUFFIX)
-                if got.shape != want.shape:
-                    raise InputMismatchError(
-                        f"Shape mismatch for {name}: expected {want.shape} but got "
-                        f"{got.shape}" + MISMATCH_SUFFIX)
-            elif got != want:
-                raise InputMismatchError(
-                    f"Value mismatch for {name}: expected {want} but got {got}"
-                    + MISMATCH_SUFFIX)
-
     # -- compilation ------------------------------------------------------------------
     def compile(self, *args, **kwargs):
         """Traces and compiles for these (combined-batch) inputs; does not run."""
         if self._compiled is not None:
             logger.warning("Call to compile() ignored: the executable is already compiled")
             return
-        self._compile(*self._prepare(args, kwargs))
+        self._compile(*self._inputs.prepare(args, kwargs))
 
     def _check_output_period(self):
         di = self._options.device_iterations
@@ -224,8 +125,8 @@ class PoplarExecutor:
 
     def _compile(self, args, kwargs, leaves, spec, names):
         self._check_output_period()
-        self._check_batch(leaves)
         di, ga, rf = self._factors()
+        self._inputs.check_batch(leaves, di, ga, rf, self._options)
         factor = di * ga * rf
         micro = pytree.tree_map_only(
             torch.Tensor, lambda t: t[: (t.shape[0] // factor)] if t.dim() else t,
@@ -278,11 +179,7 @@ class PoplarExecutor:
         self._group = self._process_group()     # training in several processes
         if self._group is not None:
             self._engine.reduce = self._group.all_reduce_sum
-        self._input_template = ([torch.empty(t.shape, dtype=t.dtype, device="meta")
-                                 if isinstance(t, torch.Tensor) else t for t in leaves],
-                                spec, names)
-        self._input_structure = pytree.tree_map_only(torch.Tensor, lambda t: None,
-                                                     (args, kwargs))
+        self._inputs.remember(args, kwargs, leaves, spec, names)
         self._upload()
         self._attached = True
 
@@ -574,20 +471,18 @@ class PoplarExecutor:
             raise AssertionError(
                 "Trying to run a model on an offline device (ConnectionType.Never): use "
                 "model.compile(inputs) instead of model(inputs)")
-        prepared = self._prepare(args, kwargs)
+        prepared = self._inputs.prepare(args, kwargs)
         if self._compiled is None:
             self._compile(*prepared)
         _, _, leaves, spec, names = prepared
-        self._validate(leaves, spec, names)
+        self._inputs.validate(leaves, spec, names)
         if not self._attached:
             self.attachToDevice()
         if not self._training and getattr(self._user_model, "_poptorchsim_version", 0) \
                 != self._uploaded_version:
             self.copyWeightsToDevice()
         di, ga, rf = self._factors()
-        inputs = [t.reshape(di, ga, rf, t.shape[0] // (di * ga * rf), *t.shape[1:])
-                  if t.dim() else t.reshape(1, 1, 1)
-                  for t in leaves if isinstance(t, torch.Tensor)]
+        inputs = self._inputs.layout(leaves, di, ga, rf)
         mode = self._output_mode
         collector = OutputCollector(mode.name, self._options.output_return_period, di, ga, rf)
         self._record_perf(len(inputs), di, ga, rf)
@@ -597,20 +492,9 @@ class PoplarExecutor:
         else:
             result = self._engine.run_inference(self._state.params, self._state.buffers,
                                                 inputs, collector, di, rf)
-        self._write_back_inputs()
-        return self._assemble(result)
-
-    def _write_back_inputs(self):
-        """Inputs that forward() changed in place get their new values, every
-        micro-batch's in its place of the combined batch (as PopTorch does)."""
-        written = self._engine.written
-        if not written:
-            return
         step = next(iter(self._compiled.program.graphs.values()))
-        with torch.no_grad():
-            for j, k in enumerate(step.input_writes):
-                caller = self._call_tensors[k]
-                caller.copy_(torch.stack([w[j] for w in written]).reshape(caller.shape))
+        self._inputs.write_back(self._engine.written, step.input_writes)
+        return self._assemble(result)
 
     def _assemble(self, rows):
         cap = self._compiled.capture
