@@ -24,6 +24,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/mnist_training.py
 	$(BIN)/python benchmarks/fidelity.py
 	$(BIN)/python benchmarks/tile_scaling.py
+	$(BIN)/python benchmarks/model_zoo.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
