@@ -180,6 +180,11 @@ def test_unsupported_ops_reported_together(training):
     msg = str(info.value)
     assert "aten._fft_r2c" in msg
     assert "aten._linalg_svd" in msg
+    # each with its reason and the line of the model that produced it
+    assert "complex" in msg and "factorization" in msg
+    assert "spectrum = torch.fft.fft(h).real" in msg or 'test_errors.py", line' in msg
+    fft_line = FftSvd.forward.__code__.co_firstlineno + 2
+    assert f'line {fft_line}, in forward' in msg
     assert_unchanged(model, before)
 
 
