@@ -423,3 +423,45 @@ def test_mixed_dtype_matmul_is_rejected_at_compile_time_as_in_pytorch():
     with pytest.raises(Exception) as sim:
         poptorchsim.inferenceModel(Mismatch(), quiet_options())(torch.randn(2, 4))
     assert "dtype" in str(sim.value) and "dtype" in str(eager.value)
+
+
+# -- library paths that read tensor values only to pick a kernel ----------------------
+class Seq2Seq(nn.Module):
+    """PyTorch's tutorial usage: a generated causal mask, no ``tgt_is_causal``."""
+
+    def __init__(self):
+        super().__init__()
+        self.transformer = nn.Transformer(16, 2, 1, 1, 32, dropout=0.0, batch_first=True)
+
+    def forward(self, x):
+        src, tgt = x[:, :5], x[:, 5:]
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        return self.transformer(src, tgt, tgt_mask=mask)
+
+
+def test_transformer_with_a_generated_causal_mask():
+    body = Seq2Seq()
+    x = torch.randn(2, 9, 16)
+    check_inference(copy.deepcopy(body), x)
+    check_training(body, x, torch.randn(2, 4, 16))
+
+
+def test_hugging_face_bert_with_a_padding_mask():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    bert = transformers.BertModel(config).eval()
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, ids, mask):
+            return self.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    ids = torch.randint(0, 100, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0                          # the second sequence is padded
+    check_inference(Encoder(), ids, mask)

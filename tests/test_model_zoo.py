@@ -12,11 +12,14 @@ Every model of the table ``ZOO`` is checked twice:
   the batch of 2 or more they need in training mode.
 
 Sizes are small so that each test takes a few seconds on two CPU cores:
-torchvision CNNs run on 64x64 images (their real constructors, 10 classes),
-the Vision Transformer is a reduced ``VisionTransformer`` (32x32 images,
-16x16 patches, 2 layers of width 32) instead of the full ``vit_b_16``, and the
-sequence models are a few layers of width 32.  Stochastic depth and dropout
-are off everywhere, so training is deterministic.
+torchvision CNNs run on 64x64 images (their real constructors, 10 classes;
+EfficientNet-B0 on 96x96, see its entry), the Vision Transformer is a
+reduced ``VisionTransformer(image_size=32, patch_size=16, num_layers=2,
+num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=10)`` instead of the full
+``vit_b_16``, and the sequence models are a few layers of width 32.  Stochastic depth and dropout
+are off everywhere, so training is deterministic.  The full densenet121 is
+marked slow (excluded by default); a smaller DenseNet stands in for it.
+Transformers' BERT is skipped when ``transformers`` is not installed.
 
 ``benchmarks/model_zoo.py`` times the same table.
 """
@@ -43,6 +46,17 @@ CLASSES = 10
 
 def optimizer_for(params):
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """One intra-op thread (restored afterwards) for eager and simulator alike:
+    at these sizes a second thread gains little, and when another process
+    shares the two cores OpenMP's waiting threads make every op ~20x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------
@@ -190,7 +204,14 @@ class BertLogits(nn.Module):
         self.bert = transformers.BertForSequenceClassification(config)
 
     def forward(self, input_ids, attention_mask):
-        return self.bert(input_ids=input_ids, attention_mask=attention_mask).logits
+        # The padding mask goes in as a prepared 4D additive mask: given the 2D
+        # mask, transformers asks ``attention_mask.all()`` to decide whether it
+        # may skip the mask, which a traced, static program cannot answer (its
+        # tracing check ``is_fake_tensor`` does not see poptorchsim's tracer).
+        b, t = attention_mask.shape
+        additive = (1.0 - attention_mask.float()) * torch.finfo(torch.float32).min
+        mask = additive[:, None, None, :].expand(b, 1, t, t)
+        return self.bert(input_ids=input_ids, attention_mask=mask).logits
 
 
 # ---------------------------------------------------------------------------
@@ -203,6 +224,12 @@ def _tv(name, **kwargs):
     return build
 
 
+def _densenet_small():
+    import torchvision
+    return torchvision.models.DenseNet(growth_rate=16, block_config=(2, 2, 2, 2),
+                                       num_init_features=32, num_classes=CLASSES)
+
+
 def _small_vit():
     import torchvision
     return torchvision.models.VisionTransformer(
@@ -213,6 +240,7 @@ def _small_vit():
 def images(size=IMAGE):
     def make(batch, g):
         return (torch.randn(batch, 3, size, size, generator=g),)
+    make.image_size = size
     return make
 
 
@@ -227,7 +255,9 @@ def src_tgt(batch, g):
 
 
 def bags(batch, g, vocab=50):
-    lengths = torch.randint(1, 6, (batch,), generator=g)
+    # bags of 1 to 4 indices; every batch of a size has the same total length
+    # (the compiled program's input shapes are fixed)
+    lengths = torch.arange(batch) % 4 + 1
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
     indices = torch.randint(0, vocab, (int(lengths.sum()),), generator=g)
     return indices, offsets
@@ -256,15 +286,29 @@ class Case:
     # "fp32": eager PyTorch as the model is; "fp64": eager on model.double(),
     # for models whose fp32 training is too ill-conditioned to agree to 1e-4
     reference: str = "fp32"
+    seed: int = 0               # torch.manual_seed before building the model
     marks: tuple = ()
 
 
 ZOO = [
-    Case("resnet18", _tv("resnet18"), images(), "ce"),
+    # seed 3: with some initialisations a max-pool window holds two values
+    # so close that fp32 rounding decides which one the gradient flows to, and
+    # two fp32 runs (or fp32 and fp64) then differ by up to ~30x the tolerance
+    # after two steps; with seed 3 eager fp32, fp64 and the simulator agree to
+    # ~0.02x the tolerance
+    Case("resnet18", _tv("resnet18"), images(), "ce", seed=3),
     Case("mobilenet_v3_small", _tv("mobilenet_v3_small", dropout=0.0), images(), "ce"),
+    # fp64 reference: two fp32 runs that sum in different orders differ by
+    # several times the tolerance (ReLU/SiLU inputs near 0 and batch norms
+    # over few values amplify rounding); fp32 eager vs fp64 is ~0.2x of it here
     Case("efficientnet_b0", _tv("efficientnet_b0", dropout=0.0, stochastic_depth_prob=0.0),
-         images(), "ce"),
-    Case("densenet121", _tv("densenet121"), images(), "ce"),
+         images(96), "ce", batch=4, reference="fp64"),
+    # the real densenet121 compiles in ~15 s: slow (seed 3 as for resnet18);
+    # a DenseNet with 2 layers in each of its 4 blocks covers the same layers
+    # in the default run
+    Case("densenet121", _tv("densenet121"), images(), "ce", seed=3,
+         marks=(pytest.mark.slow,)),
+    Case("densenet_small", _densenet_small, images(), "ce", batch=4),
     Case("convnext_tiny", _tv("convnext_tiny", stochastic_depth_prob=0.0), images(), "ce"),
     Case("vit_small", _small_vit, images(32), "ce"),
     Case("transformer_encoder", EncoderClassifier, sequence(), "ce"),
@@ -346,7 +390,7 @@ def _float64(batch):
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("case", params())
 def test_inference_matches_eager(case):
-    model = build(case).eval()
+    model = build(case, case.seed).eval()
     (*inputs, _), = make_batches(case, model, 1)
     with torch.no_grad():
         expected = model(*inputs)
@@ -356,7 +400,7 @@ def test_inference_matches_eager(case):
 
 @pytest.mark.parametrize("case", params())
 def test_two_training_steps_match_eager(case):
-    model = build(case).train()
+    model = build(case, case.seed).train()
     batches = make_batches(case, model, STEPS, seed=1)
     sim = WithLoss(model, case.loss)
     ref = copy.deepcopy(sim)

@@ -137,6 +137,27 @@ def _no_packed_sequences(module, args):
             "the padded steps, as PopTorch programs do.")
 
 
+def _causal_hint(mask, is_causal=None, size=None):
+    """``nn.Transformer``'s check whether a mask is the causal one compares
+    its values (``bool((mask == causal).all())``), which a traced program
+    cannot read.  The answer is only a hint: the mask itself is still
+    applied, so a mask that is causal gives the same result either way."""
+    return bool(is_causal)
+
+
+def _exporting(compiling, exporting=None):
+    """Sets torch.compiler's is_compiling / is_exporting flags (as
+    torch.export's non-strict tracing does, so libraries such as Hugging Face
+    transformers take their static, export-safe paths); returns the old ones."""
+    compiler = torch.compiler
+    if not hasattr(compiler, "_is_exporting_flag"):
+        return (compiling, exporting)
+    old = (compiler._is_compiling_flag, compiler._is_exporting_flag)
+    compiler._is_compiling_flag = compiling
+    compiler._is_exporting_flag = compiling if exporting is None else exporting
+    return old
+
+
 @contextlib.contextmanager
 def tracing_backends():
     """Kernels chosen for tracing: attention through its math formulation
@@ -144,7 +165,8 @@ def tracing_backends():
     RNNs without oneDNN's fused layer, and no fast-path kernels in
     ``nn.MultiheadAttention`` or ``nn.TransformerEncoder``; ``one_hot`` and
     ``out=`` in a traceable form; RNNs given a ``PackedSequence`` fail with a
-    clear error."""
+    clear error; torch.compiler reports exporting, as under torch.export;
+    ``nn.Transformer`` does not read a mask's values to guess causality."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     mha = getattr(torch.backends, "mha", None)
     fastpath = mha.get_fastpath_enabled() if mha is not None else None
@@ -153,9 +175,17 @@ def tracing_backends():
         if mha is not None:
             mha.set_fastpath_enabled(False)
         hook = torch.nn.modules.module.register_module_forward_pre_hook(_no_packed_sequences)
+        flags = _exporting(True)
+        transformer = torch.nn.modules.transformer
+        detect = getattr(transformer, "_detect_is_causal_mask", None)
+        if detect is not None:
+            transformer._detect_is_causal_mask = _causal_hint
         try:
             yield
         finally:
+            if detect is not None:
+                transformer._detect_is_causal_mask = detect
+            _exporting(*flags)
             hook.remove()
             if mha is not None:
                 mha.set_fastpath_enabled(fastpath)
