@@ -403,4 +403,12 @@ def _update_by_parameter(kind, shapes, group_of, flags_per_group, unit_scale):
     for node in hyper:                     # groups without trainable parameters
         node.meta.setdefault("val", scalar.meta["val"])
     graph.output((new_params, new_state, new_steps))
-    return torch.fx.GraphModule(torch.nn.Module(), graph)
+    return _common_subexpressions(torch.fx.GraphModule(torch.nn.Module(), graph))
+
+
+def _common_subexpressions(gm):
+    """torch.fx's CSE pass over a functional graph: each parameter's copy of
+    the rule recomputes the same scalar hyperparameter arithmetic (``1 -
+    dampening``, ``-lr``), which is computed once per group instead."""
+    from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
+    return CSEPass(get_CSE_banned_ops())(gm).graph_module

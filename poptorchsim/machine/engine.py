@@ -70,7 +70,8 @@ def compile_graph(graph):
         lines.append("    " + "".join(name_of(t) + ", " for t in graph.inputs) + "= inputs")
     for k, op in enumerate(graph.ops):
         fn = f"_op{k}"
-        glb[fn] = _KERNELS.get(op.target, op.target)
+        kernel = _KERNELS.get(op.target, op.target)
+        glb[fn] = getattr(kernel, "_op", kernel)      # the C++ kernel, one call less
         args = [render(a) for a in op.args]
         args += [f"{key}={render(v)}" for key, v in op.kwargs.items()]
         if op.target in (aten.as_strided.default, aten.as_strided_.default):
