@@ -42,20 +42,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m poptorchsim",
                                      description="poptorchsim command line tools")
     commands = parser.add_subparsers(dest="command", required=True)
-    report = commands.add_parser(
-        "report", help="print the simulation reports found under a directory",
-        description="Print a summary of every simulation report (profile.json) in DIR and "
-                    "its subdirectories: a model's report directory, or the profile root "
-                    "holding one subdirectory per model.")
-    report.add_argument("directory", metavar="DIR")
-    report.set_defaults(run=_report)
-    ops = commands.add_parser(
-        "ops", help="list the ATen operations of every report under a directory",
-        description="For every simulation report (profile.json) in DIR and its "
-                    "subdirectories: each ATen operation the program holds, how often, its "
-                    "cost class and its cycles per call, costliest first.")
-    ops.add_argument("directory", metavar="DIR")
-    ops.set_defaults(run=_report)
+    for name, help_text, description in (
+            ("report", "print the simulation reports found under a directory",
+             "Print a summary of every simulation report (profile.json) in DIR and its "
+             "subdirectories: a model's report directory, or the profile root holding one "
+             "subdirectory per model."),
+            ("ops", "list the ATen operations of every report under a directory",
+             "For every simulation report (profile.json) in DIR and its subdirectories: "
+             "each ATen operation the program holds, how often, its cost class and its "
+             "cycles per call, costliest first.")):
+        command = commands.add_parser(name, help=help_text, description=description)
+        command.add_argument("directory", metavar="DIR")
+        command.set_defaults(run=_report)
     args = parser.parse_args(argv)
     return args.run(args)
 

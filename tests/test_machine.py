@@ -185,3 +185,29 @@ def test_estimate_does_not_depend_on_running():
     before = tm.cycleEstimate()
     tm(torch.randn(16, 64), torch.randn(16, 8))
     assert tm.cycleEstimate() == before
+
+
+def test_as_strided_reads_the_traced_layout_when_the_real_one_differs():
+    """A real kernel may lay a tensor out otherwise than the trace's meta
+    kernel did; as_strided then reads the elements the trace meant."""
+    from poptorchsim.machine.engine import _as_strided
+    logical = torch.arange(12.0).reshape(3, 4)
+    traced = ((3, 4), (4, 1), 0)                     # contiguous in the trace
+    real = logical.t().contiguous().t()              # same values, column-major
+    want = torch.as_strided(logical, (2, 2), (4, 1), 1)
+    assert torch.equal(_as_strided(real, (2, 2), (4, 1), 1, traced=traced), want)
+    assert torch.equal(_as_strided(logical, (2, 2), (4, 1), 1, traced=traced), want)
+
+
+def test_optimizer_update_writes_weights_in_place():
+    """The update graph writes each weight into its own memory (as the IPU
+    does) rather than allocating a new tensor per step."""
+    from conftest import ClassifierWithLoss, classification_batch, quiet_options
+    model = ClassifierWithLoss()
+    sim = poptorch.trainingModel(model, quiet_options(),
+                                    torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    batch = classification_batch(4)
+    sim(*batch)
+    before = [p.data_ptr() for p in sim._state.params]
+    sim(*batch)
+    assert [p.data_ptr() for p in sim._state.params] == before

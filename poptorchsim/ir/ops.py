@@ -28,6 +28,8 @@ ops are element-wise, seeded ones random, reductions reductions, aliasing
 ops views, and any other op that produces tensors is a copy (data moved,
 touched once).  Nothing with tensor results is left without a cost.
 """
+import functools
+
 import torch
 
 # cost class -> ATen operation names (OpOverloadPacket names, no overload)
@@ -160,6 +162,7 @@ def unsupported_reason(target):
     return "its output shape depends on tensor values"
 
 
+@functools.lru_cache(maxsize=None)
 def cost_class(target):
     """The cost class of an ATen overload, or None when it cannot be lowered
     (not an ATen operation, or one PyTorch gives a dynamic output shape)."""

@@ -21,6 +21,7 @@ from ..ir.ops import cost_class, is_inplace, unsupported_reason
 from ..ir.verify import verify_graph
 
 aten = torch.ops.aten
+_STRIDED = (aten.as_strided.default, aten.as_strided_.default)
 
 
 def _meta_tensor(val):
@@ -101,14 +102,13 @@ def lower(gm, name, roles, n_model_outputs=0):
             val = node.meta.get("val")
             if val is None and not node.users:
                 continue      # a check with no result (aten._linalg_check_errors)
-            first = node.args[0].meta.get("val") if node.args and \
-                isinstance(node.args[0], torch.fx.Node) else None
             op = Op(len(graph.ops), node.name, target, arg(tuple(node.args)),
                     arg(dict(node.kwargs)), [], cls, inplace=is_inplace(target),
                     available_memory=node.meta.get("available_memory"),
                     block=node.meta.get("custom", {}).get("block"),
                     backward=bool(node.meta.get("custom", {}).get("backward", False)))
-            if isinstance(first, torch.Tensor):
+            if target in _STRIDED:       # the engine re-lays its input out if needed
+                first = node.args[0].meta["val"]
                 op.traced_layout = (tuple(first.shape), tuple(first.stride()),
                                     int(first.storage_offset()))
             if isinstance(val, (tuple, list)):

@@ -174,6 +174,7 @@ class PoplarExecutor:
             from ..profiling import write_report
             write_report(self.simulationReport(), os.path.join(directory, self._model_name()))
         step = next(iter(compiled.program.graphs.values()))
+        self._inputs.input_writes = step.input_writes
         self._engine = Engine(compiled.step_fn, compiled.update_fn, self._shard_index(),
                               n_writes=len(step.input_writes))
         self._group = self._process_group()     # training in several processes
@@ -492,8 +493,7 @@ class PoplarExecutor:
         else:
             result = self._engine.run_inference(self._state.params, self._state.buffers,
                                                 inputs, collector, di, rf)
-        step = next(iter(self._compiled.program.graphs.values()))
-        self._inputs.write_back(self._engine.written, step.input_writes)
+        self._inputs.write_back(self._engine.written)
         return self._assemble(result)
 
     def _assemble(self, rows):

@@ -53,6 +53,7 @@ class ModelInputs:
         self.template = None          # (leaves as meta tensors, spec, names) compiled for
         self.structure = None         # (args, kwargs) compiled for, tensors as None
         self.call_tensors = []        # the caller's input tensors of this call
+        self.input_writes = []        # which of them forward() changes in place
 
     def check_batch(self, leaves, di, ga, rf, o):
         """Every input's batch dimension divides by the combined batch factor."""
@@ -135,14 +136,13 @@ class ModelInputs:
                 if t.dim() else t.reshape(1, 1, 1)
                 for t in leaves if isinstance(t, torch.Tensor)]
 
-    def write_back(self, written, input_writes):
+    def write_back(self, written):
         """Inputs that forward() changed in place get their new values, every
         micro-batch's in its place of the combined batch (as PopTorch does).
-        ``written``: per micro-batch, the new values; ``input_writes``: which
-        tensor inputs they belong to."""
+        ``written``: per micro-batch, the new values of ``input_writes``."""
         if not written:
             return
         with torch.no_grad():
-            for j, k in enumerate(input_writes):
+            for j, k in enumerate(self.input_writes):
                 caller = self.call_tensors[k]
                 caller.copy_(torch.stack([w[j] for w in written]).reshape(caller.shape))
