@@ -190,7 +190,7 @@ def test_estimate_does_not_depend_on_running():
 def test_as_strided_reads_the_traced_layout_when_the_real_one_differs():
     """A real kernel may lay a tensor out otherwise than the trace's meta
     kernel did; as_strided then reads the elements the trace meant."""
-    from poptorchsim.machine.engine import _as_strided
+    from poptorchsim.machine.kernels import as_strided as _as_strided  # noqa: N813
     logical = torch.arange(12.0).reshape(3, 4)
     traced = ((3, 4), (4, 1), 0)                     # contiguous in the trace
     real = logical.t().contiguous().t()              # same values, column-major
@@ -211,3 +211,51 @@ def test_optimizer_update_writes_weights_in_place():
     before = [p.data_ptr() for p in sim._state.params]
     sim(*batch)
     assert [p.data_ptr() for p in sim._state.params] == before
+
+
+def _ir(name, shape, dtype=torch.float32):
+    from poptorchsim.ir.graph import Tensor
+    return Tensor(id=hash(name) % 10_000, name=name, shape=shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("target, args, kwargs, binding", [
+    (torch.ops.aten.mm.default, ("a", "b"), {}, torch.mm),
+    (torch.ops.aten.add_.Tensor, ("a", "a"), {"alpha": 2.0}, torch.Tensor.add_),
+    (torch.ops.aten.mul.Tensor, ("a", "b"), {}, torch.mul),
+    (torch.ops.aten.t.default, ("a",), {}, torch.t),
+    (torch.ops.aten.sum.dim_IntList, ("a", [1], True), {}, torch.sum),
+    # torch.split is a Python wrapper; Tensor.split too: the overload's own entry
+    (torch.ops.aten.split.Tensor, ("a", 2), {}, None),
+    # torch.add / torch.mul wrap a Python number into a tensor: they reach
+    # add.Tensor, not add.Scalar
+    (torch.ops.aten.add.Scalar, ("a", 2.0), {}, None),
+    (torch.ops.aten.mul.Scalar, ("a", 3.0), {}, None),
+])
+def test_ops_run_through_the_public_binding_only_when_it_reaches_the_same_overload(
+        target, args, kwargs, binding):
+    from poptorchsim.machine.kernels import kernel_for
+    ir_args = [_ir(a, (4, 4)) if a in ("a", "b") else a for a in args]
+    chosen = kernel_for(target, ir_args, kwargs)
+    if binding is None:
+        assert chosen is target._op
+    else:
+        assert chosen is binding
+    real = [torch.randn(4, 4) if a in ("a", "b") else a for a in args]
+    want = target(*[x.clone() if isinstance(x, torch.Tensor) else x for x in real], **kwargs)
+    got = chosen(*[x.clone() if isinstance(x, torch.Tensor) else x for x in real], **kwargs)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_same_view_of_the_same_tensor_is_made_once():
+    """An LSTM transposes each weight at every time step; the engine makes
+    each such view once (the IR keeps every op: views cost nothing)."""
+    lstm = nn.LSTM(4, 8, batch_first=True)
+    model = poptorch.inferenceModel(lstm, quiet())
+    x = torch.randn(2, 6, 4)
+    out, _ = model(x)
+    torch.testing.assert_close(out, lstm(x)[0])
+    graph, = model._compiled.program.graphs.values()
+    transposes = [op.args[0].id for op in graph.ops if str(op.target) == "aten.t.default"]
+    assert len(transposes) >= 6 and len(set(transposes)) == 2      # w_ih, w_hh
+    lines = model._engine.step_fn.source.count("= _op")
+    assert lines == len(graph.ops) - len(transposes) + 2

@@ -13,29 +13,10 @@ from collections import Counter
 import torch
 
 from ..ir.graph import Tensor
+from .kernels import as_strided, kernel_for
 
 _SIMPLE = (int, float, bool, str, type(None))
 aten = torch.ops.aten
-
-
-def _as_strided(x, size, stride, offset=None, *, traced):
-    """``as_strided`` as traced: ``traced`` = (shape, stride, storage offset)
-    of its input in the trace.  Real kernels may lay a tensor out otherwise
-    than the trace's meta kernels did; the input is then copied into the
-    traced layout first, so the same elements are read."""
-    shape, in_stride, in_offset = traced
-    if tuple(x.stride()) != in_stride or x.storage_offset() != in_offset:
-        y = torch.empty_strided(shape, in_stride, dtype=x.dtype)
-        y.copy_(x)
-        offset = (offset if offset is not None else in_offset) - in_offset
-        return aten.as_strided.default(y, size, stride, offset)
-    return aten.as_strided.default(x, size, stride, offset)
-
-
-# Views whose result depends on the input's strides run as what they mean:
-# a reshape copies only when the real layout cannot be viewed that way.
-_KERNELS = {aten.view.default: aten.reshape.default,
-            aten._unsafe_view.default: aten.reshape.default}
 
 
 _COMMUTATIVE = ("add", "mul")
@@ -116,20 +97,28 @@ def compile_graph(graph):
     lines = ["def run(inputs):"]
     if graph.inputs:
         lines.append("    " + "".join(name_of(t) + ", " for t in graph.inputs) + "= inputs")
+    views = {}        # (view op, its arguments) -> the name of its first result
     for k, op in enumerate(graph.ops):
         fn = f"_op{k}"
-        kernel = _KERNELS.get(op.target, op.target)
-        op_args = list(op.args)
+        kernel, op_args = op.target, list(op.args)
         if k in in_place:
             kernel, pos = in_place[k]
             op_args[0], op_args[pos] = op_args[pos], op_args[0]
-        glb[fn] = getattr(kernel, "_op", kernel)      # the C++ kernel, one call less
         args = [render(a) for a in op_args]
         args += [f"{key}={render(v)}" for key, v in op.kwargs.items()]
         if op.target in (aten.as_strided.default, aten.as_strided_.default):
-            glb[fn] = _as_strided
+            glb[fn] = as_strided
             args.append(f"traced={const(op.traced_layout)}")
+        else:
+            glb[fn] = kernel_for(kernel, op_args, op.kwargs)
         call = f"{fn}({', '.join(args)})"
+        if op.cost_class == "view" and not op.inplace and not op.multi_output:
+            # the same view of the same tensor twice (an RNN's weight
+            # transposed at every time step) is made once
+            if (op.target, call[len(fn):]) in views:
+                names[op.outputs[0].id] = views[op.target, call[len(fn):]]
+                continue
+            views[op.target, call[len(fn):]] = name_of(op.outputs[0])
         if op.multi_output:
             outs = "".join((name_of(t) if t is not None else "_") + ", " for t in op.outputs)
             lines.append(f"    {outs}= {call}")
