@@ -37,10 +37,12 @@ def sgd(param, grad, state, h, step, flags):
     if flags["weight_decay"]:
         grad = grad + h["weight_decay"] * param
     if flags["momentum"]:
-        accumulated = buf * h["momentum"] + (1 - h["dampening"]) * grad
         if flags["dampening"]:
+            accumulated = buf * h["momentum"] + (1 - h["dampening"]) * grad
             # torch copies the first gradient into the buffer undamped
             accumulated = torch.where(step > 1, accumulated, grad)
+        else:       # (1 - 0) * grad is grad: no multiply
+            accumulated = buf * h["momentum"] + grad
         buf = accumulated
         grad = grad + h["momentum"] * buf if flags["nesterov"] else buf
     return _step(param, grad, h["lr"]), (buf,)

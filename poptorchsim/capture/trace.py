@@ -343,7 +343,7 @@ def capture_update(kind, shapes, group_of, flags_per_group, max_grad_norm=None,
         torch.ones((), dtype=torch.float32),
     )
     with _tracing_scope():
-        return make_fx(update, tracing_mode="fake")(*example)
+        return _cast_scalars_once(make_fx(update, tracing_mode="fake")(*example))
 
 
 def _update_by_parameter(kind, shapes, group_of, flags_per_group, unit_scale):
@@ -411,4 +411,36 @@ def _common_subexpressions(gm):
     the rule recomputes the same scalar hyperparameter arithmetic (``1 -
     dampening``, ``-lr``), which is computed once per group instead."""
     from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
-    return CSEPass(get_CSE_banned_ops())(gm).graph_module
+    return _cast_scalars_once(CSEPass(get_CSE_banned_ops())(gm).graph_module)
+
+
+def _cast_scalars_once(gm):
+    """Hyperparameters are float64 scalars, as torch.optim's Python floats
+    are, and their arithmetic stays float64.  An element-wise op of float32
+    tensors casts such a scalar operand to float32 before computing (a 0-dim
+    operand does not take part in type promotion): that cast is made once
+    per scalar here, not inside every parameter's op.  Same values."""
+    graph = gm.graph
+    casts = {}
+    for node in list(graph.nodes):
+        out = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(out, torch.Tensor) \
+                or not isinstance(node.target, torch._ops.OpOverload) \
+                or torch.Tag.pointwise not in node.target.tags \
+                or out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            continue
+
+        def cast(arg, dtype=out.dtype):
+            val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+            if not isinstance(val, torch.Tensor) or val.dim() != 0 or val.dtype != torch.float64:
+                return arg
+            if (arg, dtype) not in casts:
+                with graph.inserting_after(arg):
+                    node_ = graph.call_function(aten._to_copy.default, (arg,), {"dtype": dtype})
+                node_.meta["val"] = torch.empty((), dtype=dtype, device="meta")
+                casts[arg, dtype] = node_
+            return casts[arg, dtype]
+        node.args = tuple(cast(a) for a in node.args)
+    if casts:
+        gm.recompile()
+    return gm

@@ -38,6 +38,11 @@ class _DeviceState:
     grad_scale = None
 
 
+def _same_memory(a, b):
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() \
+        and a.shape == b.shape and a.dtype == b.dtype
+
+
 def _raise_backward(*_args, **_kwargs):
     raise Error(BACKWARD_ERR)
 
@@ -259,6 +264,13 @@ class PoplarExecutor:
             both = self._group.broadcast_from_first(st.params + first)
             st.params, first = both[:len(st.params)], both[len(st.params):]
             self._broadcast_done = True
+        if self._training:
+            # a training model's device weights live in the host parameters'
+            # memory: the update writes them in place, so no copy back per call
+            with torch.no_grad():
+                for n, v in zip(cap.param_names, st.params):
+                    params[n].copy_(v)
+            st.params = [params[n].detach() for n in cap.param_names]
         st.buffers = [[b.clone() for b in first] for _ in range(rf)]
         if self._training:
             st.n_trainable = len(cap.trainable_names)
@@ -315,10 +327,15 @@ class PoplarExecutor:
         cap = self._compiled.capture
         params = self._named_params()
         buffers = dict(self._user_model.named_buffers())
+        st = self._state
         with torch.no_grad():
-            for n, v in zip(cap.param_names, self._state.params):
-                params[n].copy_(v)
-            for n, v in zip(cap.buffer_names, self._state.buffers[0]):
+            for i, (n, v) in enumerate(zip(cap.param_names, st.params)):
+                host = params[n]
+                if not _same_memory(host, v):
+                    host.copy_(v)
+                    if self._training:
+                        st.params[i] = host.detach()
+            for n, v in zip(cap.buffer_names, st.buffers[0]):
                 buffers[n].copy_(v)
         m = self._user_model
         m._poptorchsim_version = getattr(m, "_poptorchsim_version", 0) + 1
