@@ -536,3 +536,24 @@ def test_set_optimizer_switching_type_recompiles_the_update_only():
     assert ir.graphs["training_step"] is step_graph
     assert "exp_avg_sq/" in str(ir.graphs["optimizer_update"])
     assert_state_close(model, ref_model)
+
+
+def test_training_updates_the_users_parameters_in_place():
+    """The device weights of a training model live in the user's parameters:
+    each call's update lands there without a copy back, and the parameter
+    objects (held by the user's optimizer) stay the same."""
+    model = ClassifierWithLoss()
+    ref_model = copy.deepcopy(model)
+    params = list(model.parameters())
+    addresses = [p.data_ptr() for p in params]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
+    training_model = poptorchsim.trainingModel(model, make_options(1, 1, 1), optimizer)
+    for batch in batches_for(1, 1, 1):
+        training_model(*batch)
+        reference_call(ref_model, ref_optimizer, batch)
+    assert [p.data_ptr() for p in model.parameters()] == addresses
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    assert all(d.data_ptr() == p.data_ptr()
+               for d, p in zip(training_model._state.params, params))
+    assert_state_close(model, ref_model)

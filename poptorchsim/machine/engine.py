@@ -85,8 +85,12 @@ def compile_graph(graph):
         glb[key] = value
         return key
 
+    reads = set()
+
     def render(x):
         if isinstance(x, Tensor):
+            if x.role != "const":
+                reads.add(name_of(x))
             return name_of(x)
         if isinstance(x, list):
             return "[" + ", ".join(render(y) for y in x) + "]"
@@ -98,8 +102,10 @@ def compile_graph(graph):
     if graph.inputs:
         lines.append("    " + "".join(name_of(t) + ", " for t in graph.inputs) + "= inputs")
     views = {}        # (view op, its arguments) -> the name of its first result
+    body = []         # (line, names it reads, names it makes)
     for k, op in enumerate(graph.ops):
         fn = f"_op{k}"
+        reads = set()
         kernel, op_args = op.target, list(op.args)
         if k in in_place:
             kernel, pos = in_place[k]
@@ -121,9 +127,27 @@ def compile_graph(graph):
             views[op.target, call[len(fn):]] = name_of(op.outputs[0])
         if op.multi_output:
             outs = "".join((name_of(t) if t is not None else "_") + ", " for t in op.outputs)
-            lines.append(f"    {outs}= {call}")
+            made = [name_of(t) for t in op.outputs if t is not None]
+            body.append((f"    {outs}= {call}", reads, made))
         else:
-            lines.append(f"    {name_of(op.outputs[0])} = {call}")
+            made = [name_of(op.outputs[0])]
+            body.append((f"    {made[0]} = {call}", reads, made))
+    # each intermediate is released after its last use, as eager autograd
+    # frees activations during backward (holding them all until the return
+    # made large models page-fault on fresh memory at every step)
+    keep = {name_of(t) for t in graph.outputs} | {name_of(t) for t in graph.inputs}
+    last = {}
+    for i, (_, used, made) in enumerate(body):
+        for n in made + sorted(used):        # never read: released at once
+            last[n] = i
+    free = [[] for _ in body]
+    for n, i in last.items():
+        if n not in keep:
+            free[i].append(n)
+    for (line, _, _), dead in zip(body, free):
+        lines.append(line)
+        if dead:
+            lines.append("    del " + ", ".join(sorted(dead)))
     lines.append("    return [" + ", ".join(name_of(t) for t in graph.outputs) + "]")
     source = "\n".join(lines)
     code = compile(source, f"<poptorchsim graph {graph.name}>", "exec")

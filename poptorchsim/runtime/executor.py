@@ -70,6 +70,7 @@ class PoplarExecutor:
         self._attached = False
         self._state = _DeviceState()
         self._uploaded_version = -1
+        self._host_tensors = None       # (params, buffers) of the user's model, by name
         self._destroyed = False
         self._perf = None
         self._sim_clock = 0.0
@@ -257,26 +258,27 @@ class PoplarExecutor:
         buffers = dict(self._user_model.named_buffers())
         _, _, rf = self._factors()
         st = self._state
-        st.params = [params[n].detach().clone() for n in cap.param_names]
+        # a training model's device weights live in the host parameters'
+        # memory: its update writes them in place, so no copy back per call
+        st.params = [params[n].detach() if self._training else params[n].detach().clone()
+                     for n in cap.param_names]
         first = [buffers[n].detach().clone() for n in cap.buffer_names]
         if self._group is not None and not self._broadcast_done:
             # every process starts from process 0's weights and buffers (as popdist does)
-            both = self._group.broadcast_from_first(st.params + first)
-            st.params, first = both[:len(st.params)], both[len(st.params):]
-            self._broadcast_done = True
-        if self._training:
-            # a training model's device weights live in the host parameters'
-            # memory: the update writes them in place, so no copy back per call
+            both = self._group.broadcast_from_first([p.clone() for p in st.params] + first)
+            first = both[len(st.params):]
             with torch.no_grad():
-                for n, v in zip(cap.param_names, st.params):
-                    params[n].copy_(v)
-            st.params = [params[n].detach() for n in cap.param_names]
+                for p, v in zip(st.params, both):
+                    p.copy_(v)
+            self._broadcast_done = True
         st.buffers = [[b.clone() for b in first] for _ in range(rf)]
         if self._training:
             st.n_trainable = len(cap.trainable_names)
             if not keep_optimizer_state:
                 self._load_optimizer_state()
         self._uploaded_version = getattr(self._user_model, "_poptorchsim_version", 0)
+        self._host_tensors = ([params[n] for n in cap.param_names],
+                              [buffers[n] for n in cap.buffer_names])
 
     def _load_optimizer_state(self):
         c = self._compiled
@@ -323,20 +325,25 @@ class PoplarExecutor:
         if self._training:
             self._optimizer_state_to_host()
 
-    def _weights_to_host(self):
+    def _weights_to_host(self, fresh=True):
+        """``fresh``: look the host tensors up by name (the user may have
+        replaced one); after a training call, those of the last upload."""
         cap = self._compiled.capture
-        params = self._named_params()
-        buffers = dict(self._user_model.named_buffers())
+        if fresh or self._host_tensors is None:
+            params = self._named_params()
+            buffers = dict(self._user_model.named_buffers())
+            self._host_tensors = ([params[n] for n in cap.param_names],
+                                  [buffers[n] for n in cap.buffer_names])
+        host_params, host_buffers = self._host_tensors
         st = self._state
         with torch.no_grad():
-            for i, (n, v) in enumerate(zip(cap.param_names, st.params)):
-                host = params[n]
+            for i, (host, v) in enumerate(zip(host_params, st.params)):
                 if not _same_memory(host, v):
                     host.copy_(v)
                     if self._training:
                         st.params[i] = host.detach()
-            for n, v in zip(cap.buffer_names, st.buffers[0]):
-                buffers[n].copy_(v)
+            for host, v in zip(host_buffers, st.buffers[0]):
+                host.copy_(v)
         m = self._user_model
         m._poptorchsim_version = getattr(m, "_poptorchsim_version", 0) + 1
         self._uploaded_version = m._poptorchsim_version
@@ -506,7 +513,7 @@ class PoplarExecutor:
         self._record_perf(len(inputs), di, ga, rf)
         if self._training:
             result = self._engine.run_training(self._state, inputs, collector, di, ga, rf)
-            self._weights_to_host()
+            self._weights_to_host(fresh=False)
         else:
             result = self._engine.run_inference(self._state.params, self._state.buffers,
                                                 inputs, collector, di, rf)

@@ -6,12 +6,11 @@ compiled for with PopTorch's texts, lays the combined batch out as
 ``[deviceIterations, gradientAccumulation, replicas, micro-batch, ...]`` and
 writes inputs that ``forward`` changed in place back to the caller's tensors.
 """
-import inspect
 
 import torch
 import torch.utils._pytree as pytree
 
-from ..capture.trace import bind_inputs
+from ..capture.trace import bind_inputs, forward_signature
 from ..errors import BatchDimensionError, Error, InputMismatchError
 
 MISMATCH_SUFFIX = (
@@ -84,7 +83,7 @@ class ModelInputs:
         args, kwargs = pytree.tree_map_only(
             torch.Tensor, lambda t: t.float() if t.dtype == torch.float64 else t,
             (args, kwargs))
-        arg_names = list(inspect.signature(self._model.forward).parameters)
+        arg_names = list(forward_signature(self._model).parameters)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.numel() == 0:
