@@ -259,3 +259,32 @@ def test_the_same_view_of_the_same_tensor_is_made_once():
     assert len(transposes) >= 6 and len(set(transposes)) == 2      # w_ih, w_hh
     lines = model._engine.step_fn.source.count("= _op")
     assert lines == len(graph.ops) - len(transposes) + 2
+
+
+def test_host_malloc_policy_is_applied_once_and_can_be_left_alone(monkeypatch):
+    """Programs allocate the same tensors every step: on glibc the first run
+    keeps freed memory in the heap (no page faults per step);
+    POPTORCHSIM_HOST_MALLOC=system leaves malloc alone, anything else warns."""
+    import platform
+    from poptorchsim.runtime import host_memory
+    monkeypatch.setitem(host_memory._state, "applied", None)
+    monkeypatch.setenv("POPTORCHSIM_HOST_MALLOC", "system")
+    assert host_memory.keep_freed_memory() is False
+    monkeypatch.setenv("POPTORCHSIM_HOST_MALLOC", "keep")
+    assert host_memory.keep_freed_memory() is False        # decided once per process
+    monkeypatch.setitem(host_memory._state, "applied", None)
+    applied = host_memory.keep_freed_memory()
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert applied is glibc
+    monkeypatch.setitem(host_memory._state, "applied", None)
+    monkeypatch.setenv("POPTORCHSIM_HOST_MALLOC", "jemalloc")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("poptorchsim")
+    logger.addHandler(handler)
+    try:
+        assert host_memory.keep_freed_memory() is False
+    finally:
+        logger.removeHandler(handler)
+    assert any("POPTORCHSIM_HOST_MALLOC" in r.getMessage() for r in records)

@@ -18,6 +18,7 @@ from ..machine.engine import Engine, OutputCollector, shard, unshard
 from ..machine.targets import default_target
 from . import compiler
 from .engine_options import allow_out_of_memory, profiling_directory
+from .host_memory import keep_freed_memory
 from .inputs import ModelInputs
 from .perf import call_timeline, latency
 
@@ -253,6 +254,7 @@ class PoplarExecutor:
         return result
 
     def _upload(self, keep_optimizer_state=False):
+        keep_freed_memory()             # the host process is about to run steps
         cap = self._compiled.capture
         params = self._named_params()
         buffers = dict(self._user_model.named_buffers())
