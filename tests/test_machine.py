@@ -288,3 +288,31 @@ def test_host_malloc_policy_is_applied_once_and_can_be_left_alone(monkeypatch):
     finally:
         logger.removeHandler(handler)
     assert any("POPTORCHSIM_HOST_MALLOC" in r.getMessage() for r in records)
+
+
+def test_generated_step_releases_each_intermediate_after_its_last_use():
+    """Every value an op makes that the step does not return is deleted right
+    after the last line that reads it (as autograd frees activations), so a
+    step's peak host memory is its live set, not everything it computed."""
+    import re
+    model = poptorch.trainingModel(Regression(16, 4), quiet(),
+                                   torch.optim.SGD(Regression(16, 4).parameters(), lr=0.1))
+    model(torch.randn(8, 16), torch.randn(8, 4))
+    source = model._engine.step_fn.source.splitlines()
+    returned = set(re.findall(r"v\d+", source[-1]))
+    inputs = set(re.findall(r"v\d+", source[1]))
+    made = {}
+    for i, line in enumerate(source[2:-1], start=2):
+        if not line.lstrip().startswith("del "):
+            for name in re.findall(r"(v\d+)\s*,|(v\d+)\s*=", line.split("=")[0] + "="):
+                made[name[0] or name[1]] = i
+    freed = {}
+    for i, line in enumerate(source):
+        if line.lstrip().startswith("del "):
+            for name in line.split("del ", 1)[1].split(", "):
+                freed[name] = i
+    assert made and set(made) - returned - inputs == set(freed)
+    for name, at in freed.items():
+        last_read = max(i for i, line in enumerate(source[:at])
+                        if re.search(rf"\b{name}\b", line))
+        assert at == last_read + 1

@@ -557,3 +557,24 @@ def test_training_updates_the_users_parameters_in_place():
     assert all(d.data_ptr() == p.data_ptr()
                for d, p in zip(training_model._state.params, params))
     assert_state_close(model, ref_model)
+
+
+def test_update_casts_each_float64_hyperparameter_once():
+    """The optimizer's hyperparameters are float64 scalars (torch.optim's
+    Python floats); the update graph casts each to float32 once instead of
+    letting every parameter's element-wise op cast it, with the same results
+    as eager (the Adam rows of the parity tests above)."""
+    model = ClassifierWithLoss()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    training_model = poptorchsim.trainingModel(model, make_options(1, 1, 1), optimizer)
+    training_model(*batches_for(1, 1, 1)[0])
+    update = training_model._compiled.program.graphs["optimizer_update"]
+    mixed = [op for op in update.ops
+             if op.outputs and op.outputs[0] is not None and op.outputs[0].shape
+             and op.outputs[0].dtype == torch.float32
+             and any(getattr(a, "shape", None) == () and getattr(a, "dtype", None)
+                     == torch.float64 for a in op.args)]
+    casts = [op for op in update.ops if "_to_copy" in str(op.target)]
+    sources = [op.args[0].id for op in casts]
+    assert not mixed
+    assert casts and len(set(sources)) == len(sources)          # each scalar once

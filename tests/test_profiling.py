@@ -112,20 +112,21 @@ def test_report_without_matplotlib_still_writes_json_and_html(profile_root, tmp_
     assert "matplotlib is not installed" in html and ".png" not in html
 
 
-def test_cli_prints_the_summary(profile_root):
-    result = subprocess.run(
-        [sys.executable, "-m", "poptorchsim", "report", str(profile_root)],
-        capture_output=True, text=True, env=_env(), timeout=120)
+def _cli(command, root):
+    result = subprocess.run([sys.executable, "-m", "poptorchsim", command, str(root)],
+                            capture_output=True, text=True, env=_env(), timeout=120)
     assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_cli_prints_the_summary(profile_root):
+    result = _cli("report", profile_root)
     (report,) = load_reports(str(profile_root))
     assert summary(report) in result.stdout
 
 
 def test_cli_lists_operations_with_class_and_cycles(profile_root):
-    result = subprocess.run(
-        [sys.executable, "-m", "poptorchsim", "ops", str(profile_root)],
-        capture_output=True, text=True, env=_env(), timeout=120)
-    assert result.returncode == 0, result.stderr
+    result = _cli("ops", profile_root)
     (report,) = load_reports(str(profile_root))
     kinds = {op["op"] for op in report["ops"]}
     lines = [line for line in result.stdout.splitlines() if line.startswith("aten.")]
