@@ -106,6 +106,8 @@ ATTENTION_AND_RNN = {
     "lstm": lambda: Recurrent(nn.LSTM, batch_first=True),
     "lstm_bidirectional_2_layers": lambda: Recurrent(nn.LSTM, num_layers=2,
                                                      bidirectional=True, batch_first=True),
+    "lstm_no_bias_sequence_first": lambda: Recurrent(nn.LSTM, num_layers=2, bias=False),
+    "lstm_projection": lambda: Recurrent(nn.LSTM, proj_size=3, batch_first=True),
     "gru_2_layers": lambda: Recurrent(nn.GRU, num_layers=2, batch_first=True),
     "gru_bidirectional": lambda: Recurrent(nn.GRU, bidirectional=True, batch_first=True),
     "rnn_tanh": lambda: Recurrent(nn.RNN, batch_first=True),
@@ -129,6 +131,62 @@ def test_attention_is_costed_as_matmuls():
     model(torch.randn(2, 4, 8))
     classes = {op.cost_class for op in model.getIR().graphs["inference_forward"].ops}
     assert {"matmul", "softmax"} <= classes
+
+
+def fused_layers(graph):
+    return [op for op in graph.ops if op.cost_class == "rnn"]
+
+
+def test_lstm_runs_fused_layers_as_eager_does():
+    """An LSTM is traced as eager PyTorch runs it on the CPU: one oneDNN layer
+    per layer and direction, and one fused backward each (not a trace of
+    every time step), costed as the IPU's fused LSTM."""
+    lstm = Recurrent(nn.LSTM, num_layers=2, bidirectional=True, batch_first=True)
+    model = WithLoss(lstm)
+    sim = poptorchsim.trainingModel(model, quiet_options(),
+                                    torch.optim.SGD(model.parameters(), lr=0.1))
+    sim(torch.randn(3, 4, 6), torch.randn(3, 4, 10))
+    graph = sim.getIR().graphs["training_step"]
+    names = [str(op.target) for op in fused_layers(graph)]
+    assert names.count("aten.mkldnn_rnn_layer.default") == 4
+    assert names.count("aten.mkldnn_rnn_layer_backward.default") == 4
+    assert len(graph.ops) < 120
+
+
+def rnn_cycles(steps):
+    model = poptorchsim.inferenceModel(Recurrent(nn.LSTM, batch_first=True), quiet_options())
+    model(torch.randn(2, steps, 6))
+    report = model._compiled
+    graph = report.program.graphs["inference_forward"]
+    costs = report.costs["inference_forward"]
+    fused = [c.total for op, c in zip(graph.ops, costs) if op.cost_class == "rnn"]
+    workspace = fused_layers(graph)[0].outputs[3]
+    return sum(fused), workspace
+
+
+def test_lstm_cost_follows_the_time_steps():
+    """The time steps of a fused LSTM run one after another: four times the
+    sequence costs about four times the cycles, and the state kept for the
+    backward (gates and cell state of every step) grows with it."""
+    short, ws_short = rnn_cycles(4)
+    long, ws_long = rnn_cycles(16)
+    assert 3.0 < long / short < 4.5
+    assert ws_short.nbytes == 4 * 2 * (4 * 5 + 5) * 4
+    assert ws_long.nbytes == 4 * ws_short.nbytes
+
+
+def test_backward_kernels_are_eagers():
+    """The captured backward takes the kernels ``loss.backward()`` takes
+    (grad mode off): fused backward ops, not their differentiable formulas."""
+    body = nn.Sequential(nn.Linear(6, 8), nn.SiLU(), nn.GroupNorm(2, 8))
+    model = WithLoss(body)
+    sim = poptorchsim.trainingModel(model, quiet_options(),
+                                    torch.optim.SGD(model.parameters(), lr=0.1))
+    sim(torch.randn(3, 6), torch.randn(3, 8))
+    names = {op.target.overloadpacket.__name__
+             for op in sim.getIR().graphs["training_step"].ops}
+    assert "silu_backward" in names
+    assert "native_group_norm_backward" in names
 
 
 def test_lstm_packed_sequence_says_how_to_fix():

@@ -247,13 +247,13 @@ def test_ops_run_through_the_public_binding_only_when_it_reaches_the_same_overlo
 
 
 def test_the_same_view_of_the_same_tensor_is_made_once():
-    """An LSTM transposes each weight at every time step; the engine makes
+    """A GRU transposes each weight at every time step; the engine makes
     each such view once (the IR keeps every op: views cost nothing)."""
-    lstm = nn.LSTM(4, 8, batch_first=True)
-    model = poptorch.inferenceModel(lstm, quiet())
+    gru = nn.GRU(4, 8, batch_first=True)
+    model = poptorch.inferenceModel(gru, quiet())
     x = torch.randn(2, 6, 4)
     out, _ = model(x)
-    torch.testing.assert_close(out, lstm(x)[0])
+    torch.testing.assert_close(out, gru(x)[0])
     graph, = model._compiled.program.graphs.values()
     transposes = [op.args[0].id for op in graph.ops if str(op.target) == "aten.t.default"]
     assert len(transposes) >= 6 and len(set(transposes)) == 2      # w_ih, w_hh

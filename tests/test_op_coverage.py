@@ -18,7 +18,6 @@ COMPLEX = "complex tensors: the IPU has no complex number types"
 DYNAMIC = "PyTorch gives its output a data-dependent shape (or reads values)"
 FACTORIZATION = "an iterative matrix factorization (SVD, eigen, QR): no IPU kernel"
 NOT_ATEN = "a torch_nn custom operator, not ATen"
-PROD_GRAD = "PyTorch's backward of a product reduction branches on zeros in the data"
 
 REJECTED = {
     **{name: COMPLEX for name in (
@@ -41,8 +40,6 @@ REJECTED = {
         "nn.functional.linear_cross_entropy.chunked_none")},
 }
 REJECTED_IN_TRAINING = {
-    "scatter_reduce.prod": PROD_GRAD,
-    "index_reduce.prod": PROD_GRAD,
     "linalg.matrix_sqrth.": FACTORIZATION,
     "linalg.polar.": FACTORIZATION,
 }

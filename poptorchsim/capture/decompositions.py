@@ -162,7 +162,8 @@ def _exporting(compiling, exporting=None):
 def tracing_backends():
     """Kernels chosen for tracing: attention through its math formulation
     (matmuls and softmax, differentiable op by op, as the IPU computes it),
-    RNNs without oneDNN's fused layer, and no fast-path kernels in
+    an LSTM through oneDNN's fused layer where eager PyTorch uses it (the IPU
+    runs popnn's fused LSTM too), and no fast-path kernels in
     ``nn.MultiheadAttention`` or ``nn.TransformerEncoder``; ``one_hot`` and
     ``out=`` in a traceable form; RNNs given a ``PackedSequence`` fail with a
     clear error; torch.compiler reports exporting, as under torch.export;
@@ -170,8 +171,7 @@ def tracing_backends():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     mha = getattr(torch.backends, "mha", None)
     fastpath = mha.get_fastpath_enabled() if mha is not None else None
-    with sdpa_kernel([SDPBackend.MATH]), _quietly(torch.backends.mkldnn.flags(enabled=False)), \
-            _TraceableForms():
+    with sdpa_kernel([SDPBackend.MATH]), _TraceableForms():
         if mha is not None:
             mha.set_fastpath_enabled(False)
         hook = torch.nn.modules.module.register_module_forward_pre_hook(_no_packed_sequences)

@@ -5,7 +5,9 @@ tensors (no real compute) and functionalized (no mutation):
 
 * the *step* graph: forward, loss and backward of one micro-batch,
   ``(params, buffers, inputs) -> (outputs, grads, new buffers)``, its
-  backward made by torch's own autograd through ``torch.func.grad_and_value``;
+  backward made by torch's own autograd (``_grad_and_value``: the
+  backward runs with grad mode off, as ``loss.backward()`` does, so every op
+  takes the same backward kernel as in eager PyTorch);
 * the *update* graph: one optimizer step for every trainable parameter,
   ``(params, grads, state, steps, hyper) -> (new params, new state, steps)``.
 
@@ -172,6 +174,38 @@ def _trace(fn, example, what, blocks_seen=None, stack_traces=False):
     return gm
 
 
+def _grad_and_value(fn):
+    """``torch.func.grad_and_value(fn, has_aux=True)`` whose backward runs as
+    ``loss.backward()`` does: without building a graph of its own.
+
+    ``torch.func`` differentiates with ``create_graph=True`` (so transforms
+    nest), and under grad mode autograd picks the differentiable form of a
+    backward where an op has two: oneDNN's LSTM layer then differentiates
+    through a re-trace of every time step (1,600 ops for a small LSTM instead
+    of one fused backward), SiLU, GroupNorm and dropout through element-wise
+    formulas.  Eager training uses the fused backward kernels, and so does
+    the captured step.  Built on ``torch._functorch``'s own helpers; where a
+    PyTorch release lacks them, ``torch.func.grad_and_value`` is used."""
+    try:
+        from torch._functorch import eager_transforms as et
+        helpers = (et.grad_increment_nesting, et._wrap_all_tensors, et._create_differentiable,
+                   et._autograd_grad, et._undo_create_differentiable)
+    except (ImportError, AttributeError):
+        return grad_and_value(fn, has_aux=True)
+    nesting, wrap, differentiable, autograd_grad, undo = helpers
+
+    def run(diff_args, *rest):
+        with nesting() as level, torch.enable_grad():
+            diff_args, rest = wrap(diff_args, level), wrap(rest, level)
+            pytree.tree_map_(lambda t: differentiable(t, level), diff_args)
+            loss, aux = fn(diff_args, *rest)
+            flat, spec = pytree.tree_flatten(diff_args)
+            grads = autograd_grad((loss,), flat, create_graph=False)
+            grads = undo(pytree.tree_unflatten(grads, spec), level)
+            return grads, (undo(loss, level), undo(aux, level))
+    return run
+
+
 def _select_loss(recorded):
     identity = [t for kind, t in recorded if kind == "identity_loss"]
     candidates = identity or [t for _, t in recorded]
@@ -246,7 +280,7 @@ def capture_training(module, args, kwargs, in_optimizer, stack_traces=False):
             out_info["loss_kind"] = kind
             scalar = loss if loss.dim() == 0 else loss.sum()
             return scalar, (out, bufs)
-        grads, (_, (out, new_bufs)) = grad_and_value(loss_of, has_aux=True)(p_train, bufs, inputs)
+        grads, (_, (out, new_bufs)) = _grad_and_value(loss_of)(p_train, bufs, inputs)
         leaves, out_spec = pytree.tree_flatten(out)
         out_info["spec"] = out_spec
         out_info["leaves"] = leaves

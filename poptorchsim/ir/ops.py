@@ -21,6 +21,9 @@ pool            a windowed reduction
 gather          indexed reads or writes: indices and rows cross the exchange
 sort            log2(n) compare-exchange rounds (sorting networks, scans)
 matmul/conv     the AMP units (``machine/cost._plan_matmul``)
+rnn             a fused recurrent layer (popnn's LSTM): the input projection
+                as one matmul, then per time step a matmul and the gates'
+                element-wise work (``machine/cost._rnn_cost``)
 =============== ============================================================
 
 An ATen operation not named here takes its class from its tags: pointwise
@@ -68,6 +71,7 @@ _CLASSES = {
         _linalg_det _linalg_slogdet _linalg_solve_ex linalg_matrix_exp
         linalg_ldl_factor_ex linalg_ldl_solve""",
     "conv": """convolution convolution_backward""",
+    "rnn": """mkldnn_rnn_layer mkldnn_rnn_layer_backward""",
     "elementwise": """add sub mul div neg abs relu threshold_backward clamp clamp_min
         clamp_max where eq ne lt le gt ge maximum minimum logical_not logical_and
         logical_or bitwise_not bitwise_and bitwise_or sign lerp addcmul addcdiv pow

@@ -126,10 +126,11 @@ def op_cost(op, target, amp=0.6):
     sync = target.sync_cycles
     cost = OpCost(sync=sync)
 
-    if cls in ("matmul", "conv"):
+    if cls in ("matmul", "conv", "rnn"):
         if op.available_memory is not None:
             amp = op.available_memory
-        return _plan_matmul(op, target, amp, outs, item, cost)
+        plan = _rnn_cost if cls == "rnn" else _plan_matmul
+        return plan(op, target, amp, outs, item, cost)
 
     if cls in ("elementwise", "transcendental", "random", "creation"):
         per_cycle = _vector_rate(target) * {"transcendental": 0.25, "random": 0.5,
@@ -232,7 +233,18 @@ OUTPUT_GRAIN = 16               # output elements kept together on one tile
 
 
 def _plan_matmul(op, target, amp, outs, item, cost):
-    """Matmul/convolution spread over P tiles, splitting output and reduction.
+    """Matmul/convolution ``op`` on the AMP units (``_matmul_on_tiles``)."""
+    macs, _ = _macs(op)
+    k_ch, o_ch = _channels(op)
+    extra = EXTRA_SUPERSTEPS.get(op.target.overloadpacket.__name__, DEFAULT_EXTRA_SUPERSTEPS)
+    return _matmul_on_tiles(macs, k_ch, o_ch, [t.nbytes for t in op.input_tensors()],
+                            sum(t.numel for t in outs), item, extra, target, amp, cost)
+
+
+def _matmul_on_tiles(macs, k_ch, o_ch, operand_bytes, out_elems, item, extra, target, amp,
+                     cost):
+    """A matmul of ``macs`` multiply-accumulates spread over P tiles, splitting
+    output and reduction.
 
     P = as many tiles as keep each above ``MIN_MACS_PER_TILE``.  The output is
     split over ``p_out`` tiles and the reduction over ``r = P // p_out``.  The
@@ -243,24 +255,21 @@ def _plan_matmul(op, target, amp, outs, item, cost):
     available-memory proportion of a tile are processed in serial chunks.
     """
     tiles = target.tiles
-    macs, _ = _macs(op)
-    k_ch, o_ch = (max(1, int(c)) for c in _channels(op))
+    k_ch, o_ch = max(1, int(k_ch)), max(1, int(o_ch))
     fill = (min(k_ch, AMP_IN_GROUP) / _ceil_to(min(k_ch, AMP_IN_GROUP), AMP_IN_GROUP)
             * o_ch / _ceil_to(o_ch, AMP_OUT_GROUP))
     amp_rate = target.amp_macs_fp16 if item == 2 else target.amp_macs_fp32
     rate = max(_vector_rate(target) / item, amp_rate * fill)   # vector MACs as a floor
-    out_elems = sum(t.numel for t in outs)
     p = int(max(1, min(tiles, macs // MIN_MACS_PER_TILE)))
     p_out = int(max(1, min(p, -(-out_elems // OUTPUT_GRAIN))))
     r = max(1, p // p_out)
     # The largest operand (usually the weights) is laid out for this matmul and
     # stays put; the others are exchanged, each tile receiving its slices.
-    operands = sorted((t.nbytes for t in op.input_tensors()), reverse=True)
+    operands = sorted(operand_bytes, reverse=True)
     recv = float(sum(operands[1:])) / np.sqrt(p)
     limit = amp * target.bytes_per_tile
     serial = max(1, int(np.ceil(recv / limit)))
     cost.macs, cost.flops = macs, 2 * macs
-    extra = EXTRA_SUPERSTEPS.get(op.target.overloadpacket.__name__, DEFAULT_EXTRA_SUPERSTEPS)
     cost.compute = macs / p / rate + VERTEX_OVERHEAD * (serial + extra)
     cost.exchange = _exchange_cycles(recv, target)
     cost.sync = target.sync_cycles * (serial + extra)
@@ -271,5 +280,67 @@ def _plan_matmul(op, target, amp, outs, item, cost):
         cost.sync += target.sync_cycles
     temp = np.zeros(tiles)
     temp[:p] = recv / serial
+    cost.temp_bytes = temp
+    return cost
+
+
+# Work per hidden unit and time step of an LSTM cell (popnn's LSTM): three
+# sigmoids and two tanh (each at a quarter of the vector rate), then
+# c = f*c + i*g and h = o*tanh(c) and the two bias adds; the backward
+# differentiates each of them (counted as the same work twice).
+LSTM_CELL_TRANSCENDENTAL = 5
+LSTM_CELL_ELEMENTWISE = 6
+
+
+def _rnn_cost(op, target, amp, outs, item, cost):
+    """A fused LSTM layer (oneDNN's ``mkldnn_rnn_layer`` and its backward,
+    which PyTorch uses for LSTMs only; on the IPU popnn's LSTM).  Forward: the input projection of
+    every time step as one matmul, then per time step the recurrent matmul
+    and the cell's element-wise work, each its own superstep.  Backward: per
+    time step the cell's derivative and the matmul that carries the hidden
+    state's gradient back, then three whole-sequence matmuls (gradients of
+    the input and of both weights).  The steps of the sequence cannot
+    overlap: each needs the last one's hidden state."""
+    backward = op.target.overloadpacket.__name__.endswith("backward")
+    x, w_ih, w_hh = op.args[0], op.args[1], op.args[2]
+    steps, batch = x.shape[0], x.shape[1]
+    gates, hidden = w_hh.shape[0], w_hh.shape[1]
+    features = w_ih.shape[1]
+    wbytes = gates * hidden * item
+
+    def matmul(macs, k, n, operand_bytes, out_elems):
+        return _matmul_on_tiles(macs, k, n, operand_bytes, out_elems, item,
+                                DEFAULT_EXTRA_SUPERSTEPS, target, amp, OpCost())
+
+    cell = batch * hidden
+    per_cycle = _vector_rate(target) / item
+    cell_cycles = (cell * LSTM_CELL_ELEMENTWISE + 4 * cell * LSTM_CELL_TRANSCENDENTAL) / \
+        min(target.tiles, max(1, cell // OUTPUT_GRAIN)) / per_cycle + VERTEX_OVERHEAD
+    rows = steps * batch
+    if not backward:
+        whole = [matmul(rows * features * gates, features, gates,
+                        [rows * features * item, gates * features * item], rows * gates)]
+        step = matmul(batch * hidden * gates, hidden, gates, [batch * hidden * item, wbytes],
+                      batch * gates)
+    else:
+        whole = [matmul(rows * gates * features, gates, features,          # grad input
+                        [rows * gates * item, gates * features * item], rows * features),
+                 matmul(rows * gates * features, rows, features,           # grad W_ih
+                        [rows * gates * item, rows * features * item], gates * features),
+                 matmul(rows * gates * hidden, rows, hidden,               # grad W_hh
+                        [rows * gates * item, rows * hidden * item], gates * hidden)]
+        step = matmul(batch * gates * hidden, gates, hidden, [batch * gates * item, wbytes],
+                      batch * hidden)
+        cell_cycles *= 2
+    parts = whole + [step] * steps
+    cost.compute = sum(c.compute for c in parts) + steps * cell_cycles
+    cost.exchange = sum(c.exchange for c in parts)
+    cost.sync = sum(c.sync for c in parts) + steps * target.sync_cycles
+    cost.macs = sum(c.macs for c in parts)
+    cost.flops = 2 * cost.macs + steps * cell * (LSTM_CELL_ELEMENTWISE
+                                                 + LSTM_CELL_TRANSCENDENTAL)
+    temp = np.zeros(target.tiles)
+    for c in parts:
+        temp = np.maximum(temp, c.temp_bytes)
     cost.temp_bytes = temp
     return cost

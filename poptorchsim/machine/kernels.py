@@ -44,6 +44,20 @@ _REPLACED = {aten.view.default: torch.Tensor.reshape,
              aten._unsafe_view.default: torch.Tensor.reshape}
 
 
+def _under_grad_mode(kernel):
+    """``kernel`` run with grad mode on (no tensor here requires grad, so
+    nothing is recorded)."""
+    def run(*args, **kwargs):
+        with torch.enable_grad():
+            return kernel(*args, **kwargs)
+    return run
+
+
+# oneDNN's LSTM layer keeps the workspace its backward needs only when grad
+# mode is on; the engine runs graphs under no_grad.
+_GRAD_MODE = {aten.mkldnn_rnn_layer.default}
+
+
 class _Dispatched(Exception):
     pass
 
@@ -108,6 +122,8 @@ def kernel_for(target, args, kwargs):
     """The host function that runs ``target(*args, **kwargs)`` (IR arguments)."""
     if target in _REPLACED:
         return _REPLACED[target]
+    if target in _GRAD_MODE:
+        return _under_grad_mode(target._op)
     if not isinstance(target, torch._ops.OpOverload):
         return target
     key = (target, tuple(_kind(a) for a in args),

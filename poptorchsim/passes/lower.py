@@ -114,9 +114,12 @@ def lower(gm, name, roles, n_model_outputs=0):
             if isinstance(val, (tuple, list)):
                 op.multi_output = True
                 for i, v in enumerate(val):
-                    op.outputs.append(graph.new_tensor(f"{node.name}_{i}", v.shape, v.dtype,
-                                                       producer=op)
-                                      if _meta_tensor(v) else None)
+                    if not _meta_tensor(v):
+                        op.outputs.append(None)
+                        continue
+                    shape, dtype = _saved_state(target, i, node) or (v.shape, v.dtype)
+                    op.outputs.append(graph.new_tensor(f"{node.name}_{i}", shape, dtype,
+                                                       producer=op))
                 env[node] = op.outputs
             elif _meta_tensor(val):
                 t = graph.new_tensor(node.name, val.shape, val.dtype, producer=op)
@@ -147,6 +150,20 @@ def lower(gm, name, roles, n_model_outputs=0):
     return verify_graph(graph)
 
 
+_AMP_CLASSES = ("matmul", "conv", "rnn")       # ops the AMP units run
+
+
+def _saved_state(target, i, node):
+    """(shape, dtype) the IPU gives output ``i`` of ``target`` where the traced
+    one says nothing of it: a fused LSTM layer's workspace, which oneDNN's
+    meta kernel sizes 0, holds what popnn's forward keeps for the backward,
+    the gates and the cell state of every time step."""
+    if target is not aten.mkldnn_rnn_layer.default or i != 3:
+        return None
+    x, w_hh = node.args[0].meta["val"], node.args[2].meta["val"]
+    return (x.shape[0], x.shape[1], w_hh.shape[0] + w_hh.shape[1]), x.dtype
+
+
 def _share_available_memory(graph):
     """Gradient matmuls and convolutions take the available-memory proportion
     of the forward op they differentiate (as PopART's grad ops copy it): those
@@ -159,7 +176,7 @@ def _share_available_memory(graph):
                 root[op.outputs[0].id] = root.get(ins[0].id, ins[0])
     annotated = []
     for op in graph.ops:
-        if op.available_memory is not None and op.cost_class in ("matmul", "conv"):
+        if op.available_memory is not None and op.cost_class in _AMP_CLASSES:
             weights = [root.get(t.id, t) for t in op.input_tensors()]
             weights = [w for w in weights if w.role == "param"]
             annotated.append((op, weights))
@@ -167,7 +184,7 @@ def _share_available_memory(graph):
         shapes = {w.shape for w in weights} | {tuple(reversed(w.shape)) for w in weights}
         ids = {w.id for w in weights}
         for op in graph.ops:
-            if op is fwd or op.cost_class not in ("matmul", "conv") or \
+            if op is fwd or op.cost_class not in _AMP_CLASSES or \
                     op.available_memory is not None or op.block != fwd.block:
                 continue
             reads = any(root.get(t.id, t).id in ids for t in op.input_tensors())
