@@ -1,7 +1,8 @@
 """``PoplarExecutor``: what ``trainingModel`` and ``inferenceModel`` return.
 
-It compiles on the first call (or ``compile``), holds the device copy of the
-weights, optimizer state and buffers, feeds each call's combined batch to the
+It compiles on the first call (or ``compile``), keeps the device copy of the
+weights, optimizer state and buffers (``weights.DeviceWeights``), feeds each
+call's combined batch to the
 engine in PopTorch's layout ``[deviceIterations, gradientAccumulation,
 replicas, micro-batch, ...]`` and returns outputs shaped as PopTorch does for
 the output mode.
@@ -14,13 +15,13 @@ import torch.utils._pytree as pytree
 from .. import enums
 from ..capture import optimizers as opt_rules
 from ..errors import Error
-from ..machine.engine import Engine, OutputCollector, shard, unshard
+from ..machine.engine import Engine, OutputCollector
 from ..machine.targets import default_target
 from . import compiler
 from .engine_options import allow_out_of_memory, profiling_directory
-from .host_memory import keep_freed_memory
 from .inputs import ModelInputs
 from .perf import call_timeline, latency
+from .weights import DeviceWeights
 
 logger = logging.getLogger("poptorchsim")
 
@@ -30,18 +31,6 @@ BACKWARD_ERR = (
     "you're using a trainingModel, the backwards pass is performed automatically "
     "when invoking the model. If you're using an inferenceModel, you should use a "
     "trainingModel instead.")
-
-
-class _DeviceState:
-    """The device copy of everything a training program reads and writes."""
-    n_trainable = 0
-    params = buffers = opt_state = steps = hyper = None
-    grad_scale = None
-
-
-def _same_memory(a, b):
-    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() \
-        and a.shape == b.shape and a.dtype == b.dtype
 
 
 def _raise_backward(*_args, **_kwargs):
@@ -69,15 +58,11 @@ class PoplarExecutor:
         self._optimizer = optimizer
         self._compiled = None
         self._attached = False
-        self._state = _DeviceState()
-        self._uploaded_version = -1
-        self._host_tensors = None       # (params, buffers) of the user's model, by name
+        self._weights = DeviceWeights(model, options, training)
         self._destroyed = False
         self._perf = None
         self._sim_clock = 0.0
         self._inputs = ModelInputs(model)
-        self._group = None              # distributed: the gloo process group
-        self._broadcast_done = False
         self._target = default_target(options._values.get("ipu_model_version"))
         mode = enums.OutputMode(options.output_mode)
         if mode == enums.OutputMode.Default:
@@ -184,9 +169,9 @@ class PoplarExecutor:
         self._inputs.input_writes = step.input_writes
         self._engine = Engine(compiled.step_fn, compiled.update_fn, self._shard_index(),
                               n_writes=len(step.input_writes))
-        self._group = self._process_group()     # training in several processes
-        if self._group is not None:
-            self._engine.reduce = self._group.all_reduce_sum
+        group = self._weights.group = self._process_group()   # training in several processes
+        if group is not None:
+            self._engine.reduce = group.all_reduce_sum
         self._inputs.remember(args, kwargs, leaves, spec, names)
         self._upload()
         self._attached = True
@@ -238,8 +223,9 @@ class PoplarExecutor:
             raise Error(NO_EXECUTABLE_ERR)
 
     # -- weights ------------------------------------------------------------------------
-    def _named_params(self):
-        return dict(self._user_model.named_parameters())
+    @property
+    def _state(self):
+        return self._weights.state
 
     def copyWeightsToDevice(self):
         """Host -> device: weights and buffers (the device keeps its optimizer state)."""
@@ -254,113 +240,17 @@ class PoplarExecutor:
         return result
 
     def _upload(self, keep_optimizer_state=False):
-        keep_freed_memory()             # the host process is about to run steps
-        cap = self._compiled.capture
-        params = self._named_params()
-        buffers = dict(self._user_model.named_buffers())
-        _, _, rf = self._factors()
-        st = self._state
-        # a training model's device weights live in the host parameters'
-        # memory: its update writes them in place, so no copy back per call
-        st.params = [params[n].detach() if self._training else params[n].detach().clone()
-                     for n in cap.param_names]
-        first = [buffers[n].detach().clone() for n in cap.buffer_names]
-        if self._group is not None and not self._broadcast_done:
-            # every process starts from process 0's weights and buffers (as popdist does)
-            both = self._group.broadcast_from_first([p.clone() for p in st.params] + first)
-            first = both[len(st.params):]
-            with torch.no_grad():
-                for p, v in zip(st.params, both):
-                    p.copy_(v)
-            self._broadcast_done = True
-        st.buffers = [[b.clone() for b in first] for _ in range(rf)]
-        if self._training:
-            st.n_trainable = len(cap.trainable_names)
-            if not keep_optimizer_state:
-                self._load_optimizer_state()
-        self._uploaded_version = getattr(self._user_model, "_poptorchsim_version", 0)
-        self._host_tensors = ([params[n] for n in cap.param_names],
-                              [buffers[n] for n in cap.buffer_names])
+        self._weights.upload(self._compiled, self._optimizer, keep_optimizer_state)
 
     def _load_optimizer_state(self):
-        c = self._compiled
-        st = self._state
-        params = self._named_params()
-        state_names, hyper_names, _ = opt_rules.RULES[c.optimizer_kind]
-        st.opt_state, st.steps = [], []
-        for n in c.capture.trainable_names:
-            p = params[n]
-            torch_state = self._optimizer.state.get(p, {})
-            slots = []
-            for s in state_names:
-                v = torch_state.get(s)
-                slots.append(v.detach().clone().float() if isinstance(v, torch.Tensor)
-                             else torch.zeros_like(p.detach()))
-            step = torch_state.get("step")
-            if step is None:
-                step = 1.0 if "momentum_buffer" in torch_state and \
-                    torch_state["momentum_buffer"] is not None else 0.0
-            if n in c.shards:       # each replica holds its shard
-                slots = [shard(v, c.shards[n]) for v in slots]
-            st.opt_state.append(slots)
-            st.steps.append(torch.tensor(float(step), dtype=torch.float32))
-        self._load_hyperparameters()
-
-    def _load_hyperparameters(self):
-        c = self._compiled
-        _, ga, rf = self._factors()
-        hyper = []
-        for group in self._optimizer.param_groups:
-            values, _ = opt_rules.group_settings(c.optimizer_kind, group)
-            hyper += [torch.tensor(values[h], dtype=torch.float64)
-                      for h in opt_rules.RULES[c.optimizer_kind][1]]
-        self._state.hyper = hyper
-        mean = (self._options.Training.accumulation_and_replication_reduction_type
-                == enums.ReductionType.Mean)
-        replicas = rf * self._options.Distributed.numProcesses    # in all processes
-        self._state.grad_scale = torch.tensor(1.0 / (ga * replicas) if mean else 1.0)
+        self._weights.load_optimizer_state(self._compiled, self._optimizer)
 
     def copyWeightsToHost(self):
         """Device -> host: the user's model gets the device weights and buffers."""
         self._require_compiled()
-        self._weights_to_host()
+        self._weights.download(self._compiled)
         if self._training:
-            self._optimizer_state_to_host()
-
-    def _weights_to_host(self, fresh=True):
-        """``fresh``: look the host tensors up by name (the user may have
-        replaced one); after a training call, those of the last upload."""
-        cap = self._compiled.capture
-        if fresh or self._host_tensors is None:
-            params = self._named_params()
-            buffers = dict(self._user_model.named_buffers())
-            self._host_tensors = ([params[n] for n in cap.param_names],
-                                  [buffers[n] for n in cap.buffer_names])
-        host_params, host_buffers = self._host_tensors
-        st = self._state
-        with torch.no_grad():
-            for i, (host, v) in enumerate(zip(host_params, st.params)):
-                if not _same_memory(host, v):
-                    host.copy_(v)
-                    if self._training:
-                        st.params[i] = host.detach()
-            for host, v in zip(host_buffers, st.buffers[0]):
-                host.copy_(v)
-        m = self._user_model
-        m._poptorchsim_version = getattr(m, "_poptorchsim_version", 0) + 1
-        self._uploaded_version = m._poptorchsim_version
-
-    def _optimizer_state_to_host(self):
-        c = self._compiled
-        params = self._named_params()
-        state_names, _, _ = opt_rules.RULES[c.optimizer_kind]
-        for n, slots, step in zip(c.capture.trainable_names, self._state.opt_state,
-                                  self._state.steps):
-            entry = self._optimizer.state[params[n]]
-            for s, v in zip(state_names, slots):
-                entry[s] = (unshard(v, params[n].shape) if n in c.shards else v).clone()
-            if c.optimizer_kind != "sgd":
-                entry["step"] = step.clone()
+            self._weights.optimizer_state_to_host(self._compiled, self._optimizer)
 
     def setOptimizer(self, optimizer):
         """Uses ``optimizer``'s hyperparameters from the next call on."""
@@ -370,7 +260,7 @@ class PoplarExecutor:
             return
         new_object = optimizer is not self._optimizer
         if new_object:
-            self._optimizer_state_to_host()
+            self._weights.optimizer_state_to_host(self._compiled, self._optimizer)
         old = (self._compiled.optimizer_kind, self._compiled.flags,
                self._compiled.max_grad_norm)
         self._optimizer = optimizer
@@ -387,7 +277,7 @@ class PoplarExecutor:
         elif new_object:
             self._load_optimizer_state()
         else:
-            self._load_hyperparameters()
+            self._weights.load_hyperparameters(self._compiled, self._optimizer)
 
     # -- attach / detach ----------------------------------------------------------------
     def attachToDevice(self):
@@ -505,8 +395,7 @@ class PoplarExecutor:
         self._inputs.validate(leaves, spec, names)
         if not self._attached:
             self.attachToDevice()
-        if not self._training and getattr(self._user_model, "_poptorchsim_version", 0) \
-                != self._uploaded_version:
+        if not self._training and self._weights.stale():
             self.copyWeightsToDevice()
         di, ga, rf = self._factors()
         inputs = self._inputs.layout(leaves, di, ga, rf)
@@ -515,7 +404,7 @@ class PoplarExecutor:
         self._record_perf(len(inputs), di, ga, rf)
         if self._training:
             result = self._engine.run_training(self._state, inputs, collector, di, ga, rf)
-            self._weights_to_host(fresh=False)
+            self._weights.download(self._compiled, fresh=False)
         else:
             result = self._engine.run_inference(self._state.params, self._state.buffers,
                                                 inputs, collector, di, rf)
