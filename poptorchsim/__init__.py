@@ -21,6 +21,7 @@ from .errors import (BatchDimensionError, DataDependentError, Error, InputMismat
                      UnsupportedOperationError, createPoptorchError)
 from .ops import identity_loss, ipuHardwareIsAvailable, isRunningOnIpu, set_available_memory
 from .options import Options, TensorLocationSettings
+from .overlap import set_overlap_for_input, set_overlap_for_output
 from .runtime.executor import PoplarExecutor
 
 __version__ = "0.1.0"

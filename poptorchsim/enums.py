@@ -81,3 +81,13 @@ class CommGroupType(enum.IntEnum):
 class VariableRetrievalMode(enum.IntEnum):
     OnePerGroup = 0
     AllReplicas = 2
+
+
+class OverlapMode(enum.Enum):
+    """How far ahead an input (output) marked by ``set_overlap_for_input``
+    (``set_overlap_for_output``) streams through the IO tiles while the
+    compute tiles work: not at all, one gradient-accumulation step ahead, or
+    across device iterations too."""
+    NoOverlap = "no_overlap"
+    OverlapAccumulationLoop = "overlap_accumulation_loop"
+    OverlapDeviceIterationLoop = "overlap_device_iteration_loop"

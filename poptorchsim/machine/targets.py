@@ -59,6 +59,9 @@ class Target:
     ipus_per_machine: int = 4
     grain_bytes: int = 64       # smallest piece of a tensor mapped to one tile
     code_bytes_per_tile: int = 24 * 1024   # control code and runtime, always live
+    # Tiles set aside for host IO (Options.TensorLocations.numIOTiles): they
+    # are not counted in ``tiles``, which are the compute tiles.
+    io_tiles: int = 0
 
     @property
     def total_bytes(self):
@@ -84,6 +87,18 @@ TEST_IPU = replace(MK2, name="IPU-Test", tiles=4, code_bytes_per_tile=8 * 1024)
 
 TARGETS = {"mk1": MK1, "ipu1": MK1, "mk2": MK2, "ipu2": MK2, "bow": BOW, "ipu21": BOW,
            "test": TEST_IPU, "small": TEST_IPU}
+
+
+def with_io_tiles(target, n):
+    """``target`` with ``n`` of its tiles set aside as IO tiles: the compute
+    graph is mapped on the rest (PopTorch's ``numIOTiles``)."""
+    if not n:
+        return target
+    if n >= target.tiles:
+        raise Error(f"numIOTiles({n}) leaves no compute tiles on {target.name} "
+                    f"({target.tiles} tiles): use fewer IO tiles or a larger IPU model "
+                    "(Options.useIpuModelVersion).")
+    return replace(target, tiles=target.tiles - n, io_tiles=n)
 
 
 def target_named(name):

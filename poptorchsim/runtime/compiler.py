@@ -8,15 +8,18 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch.utils._pytree as pytree
 from tqdm.auto import tqdm
 
 from ..capture import optimizers as opt_rules
+from ..capture.overlap import overlapped_io
 from ..errors import Error, UnsupportedOperationError
 from ..capture.trace import capture_inference, capture_training, capture_update
 from ..ir.graph import (AllGather, AllReduce, Call, DeviceToHost, HostToDevice, Program,
                         ReduceScatter, RemoteLoad, RemoteStore, Repeat, Sequence)
 from ..machine.cost import op_cost
 from ..machine.engine import compile_graph
+from ..machine.targets import with_io_tiles
 from ..passes import locations as tensor_locations
 from ..passes.lower import lower
 from ..passes.memory import check_fits, plan_memory
@@ -119,17 +122,71 @@ def _estimate(program, costs, target):
         total["streaming"] += _phase_streaming(program, target, device)
     host_s = target.call_overhead_s
     if not program.synthetic_data:
-        # Poplar streams every input of every micro-batch of every replica as
-        # its own host copy, and the outputs once per device iteration
-        n_inputs = sum(1 for t in program.graphs[step_name].inputs if t.role == "input")
-        transfers = di * ga * program.replicas * n_inputs + (di if program.out_bytes else 0)
-        host_s += (transfers * target.host_latency_s
-                   + (program.in_bytes + program.out_bytes) / target.host_bytes_per_s)
+        device_s = sum(total.values()) / target.clock_hz
+        host_s += _host_seconds(program.host_streams, device_s, di, ga, target)
     total["host"] = host_s * target.clock_hz
     total["total"] = sum(total.values())
     total["seconds"] = total["total"] / target.clock_hz
     total["bubble"] = sched.bubble
     return total
+
+
+def _host_streams(capture, program, overlap):
+    """The host streams of one call as ``(OverlapMode value, copies, bytes)``.
+
+    Poplar streams every input of every micro-batch of every replica as its
+    own host copy, and the outputs once per device iteration (all outputs
+    together, an overlapped output on its own)."""
+    di, ga, rf = program.device_iterations, program.accumulation, program.replicas
+    in_modes, out_modes = overlap
+    streams = [(in_modes.get(i, "no_overlap"), di * ga * rf,
+                _bytes([(t.shape, t.dtype)]) * di * ga * rf)
+               for i, t in enumerate(capture.example_inputs)]
+    node = list(capture.graph.graph.nodes)[-1]
+    leaves = pytree.tree_leaves(node.args[0])[:capture.n_tensor_outputs]
+    micro = [v.meta["val"].numel() * v.meta["val"].element_size()
+             if hasattr(v, "meta") and "val" in v.meta else 0 for v in leaves]
+    share = [program.out_bytes * m // max(sum(micro), 1) for m in micro]
+    plain = program.out_bytes - sum(share[k] for k in out_modes)
+    if plain:
+        streams.append(("no_overlap", di, plain))
+    streams += [(mode, di, share[k]) for k, mode in out_modes.items()]
+    return streams
+
+
+def _host_seconds(streams, device_s, di, ga, target):
+    """Seconds the host streams of one call add to it.  A stream through the
+    IO tiles (``set_overlap_for_input``/``_output``) runs while the compute
+    tiles work: only what compute cannot hide is paid, and at least its first
+    copy of each loop it overlaps (the accumulation loop, once per device
+    iteration; or the whole device-iteration loop)."""
+    plain = overlapped = 0.0
+    by_mode = {}
+    for mode, copies, nbytes in streams:
+        seconds = copies * target.host_latency_s + nbytes / target.host_bytes_per_s
+        if mode == "no_overlap":
+            plain += seconds
+        else:
+            by_mode[mode] = by_mode.get(mode, 0.0) + seconds
+    for mode, seconds in by_mode.items():
+        windows, steps = (1, di * ga) if mode == "overlap_device_iteration_loop" else (di, ga)
+        per_window, compute = seconds / windows, device_s / windows
+        overlapped += windows * max(per_window / steps, per_window - compute)
+    return plain + overlapped
+
+
+def _check_overlap(capture, strategy, io_tiles):
+    """The overlapped inputs and outputs, PopTorch's preconditions checked."""
+    inputs, outputs = overlapped_io(capture)
+    if any(mode != "no_overlap" for mode in [*inputs.values(), *outputs.values()]):
+        if getattr(strategy, "is_pipelined", True):
+            raise Error("Overlapped IO is not supported with poptorch.PipelinedExecution. "
+                        "If you are using only one IPU, please switch to "
+                        "poptorch.ShardedExecution.")
+        if not io_tiles:
+            raise Error("No IO tiles allocated. You must allocate at least 32 IO tiles "
+                        "using poptorch.Options().TensorLocations.numIOTiles.")
+    return inputs, outputs
 
 
 RING_STEP_SYNC_CYCLES = 1000     # one step of a ring collective: sync across IPUs
@@ -359,10 +416,11 @@ def _sharded_state(model, optimizer, capture, settings, replicas):
 def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
                      amp=0.6, show_progress=True, allow_oom=False, out_bytes_fn=None,
                      synthetic=False, strategy=None, auto_round=False, locations=None,
-                     processes=1):
+                     processes=1, io_tiles=0):
     t0 = time.perf_counter()
     settings = locations or {}
     _check_locations(settings)
+    target = with_io_tiles(target, io_tiles)
     bar = _stages(show_progress, "Graph compilation")
     kind = opt_rules.optimizer_kind(optimizer)
     by_id = {id(p): n for n, p in model.named_parameters()}
@@ -370,6 +428,7 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
                     if id(p) in by_id}
     bar.set_description("Tracing"); bar.update(1)
     capture = capture_training(model, args, kwargs, in_optimizer)
+    overlap = _check_overlap(capture, strategy, io_tiles)
     bar.set_description("Lowering"); bar.update(1)
     step_graph = _lower_model(capture, "training_step", lambda: capture_training(
         model, args, kwargs, in_optimizer, stack_traces=True))
@@ -384,6 +443,7 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
                       None, rf, di, ga, processes=processes, sharded_state=set(shards))
     program.in_bytes, program.synthetic_data = in_bytes, synthetic
     program.out_bytes = out_bytes_fn(capture) if out_bytes_fn else 0
+    program.host_streams = _host_streams(capture, program, overlap)
     _place(program, step_graph, capture, strategy, training=True, di=di, ga=ga, rf=rf,
            auto_round=auto_round)
 
@@ -545,13 +605,15 @@ def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False):
 def compile_inference(model, args, kwargs, *, di, rf, target, amp=0.6,
                       show_progress=True, allow_oom=False, out_bytes_fn=None,
                       synthetic=False, strategy=None, auto_round=False, locations=None,
-                      processes=1):
+                      processes=1, io_tiles=0):
     t0 = time.perf_counter()
     settings = locations or {}
     _check_locations(settings)
+    target = with_io_tiles(target, io_tiles)
     bar = _stages(show_progress, "Graph compilation")
     bar.set_description("Tracing"); bar.update(1)
     capture = capture_inference(model, args, kwargs)
+    overlap = _check_overlap(capture, strategy, io_tiles)
     bar.set_description("Lowering"); bar.update(1)
     graph = _lower_model(capture, "inference_forward", lambda: capture_inference(
         model, args, kwargs, stack_traces=True))
@@ -562,6 +624,7 @@ def compile_inference(model, args, kwargs, *, di, rf, target, amp=0.6,
     program = Program("inference", {"inference_forward": graph},
                       Repeat(di, body, "device_iteration"), rf, di, 1, in_bytes, out_bytes,
                       synthetic_data=synthetic, processes=processes)
+    program.host_streams = _host_streams(capture, program, overlap)
     _place(program, graph, capture, strategy, training=False, di=di, ga=1, rf=rf,
            auto_round=auto_round)
     bar.set_description("Tile mapping"); bar.update(1)

@@ -136,13 +136,14 @@ class PoplarExecutor:
                 target=self._target, amp=amp, show_progress=show, allow_oom=allow_oom,
                 out_bytes_fn=out_bytes, synthetic=synthetic, strategy=strategy,
                 auto_round=o.auto_round_num_ipus, locations=o.TensorLocations.settings(),
-                processes=o.Distributed.numProcesses)
+                processes=o.Distributed.numProcesses, io_tiles=o.TensorLocations.num_io_tiles)
         else:
             compiled = compiler.compile_inference(
                 self._user_model, micro[0], micro[1], di=di, rf=rf, target=self._target,
                 amp=amp, show_progress=show, allow_oom=allow_oom, out_bytes_fn=out_bytes,
                 synthetic=synthetic, strategy=strategy, auto_round=o.auto_round_num_ipus,
-                locations=o.TensorLocations.settings(), processes=o.Distributed.numProcesses)
+                locations=o.TensorLocations.settings(), processes=o.Distributed.numProcesses,
+                io_tiles=o.TensorLocations.num_io_tiles)
         if self._training and rf > 1 and o.broadcast_buffers:
             step = compiled.program.graphs["training_step"]
             names = compiled.capture.buffer_names
