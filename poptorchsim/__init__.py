@@ -14,6 +14,7 @@ from .annotations import (BeginBlock, Block, BlockFunction, BlockId, LegacyBegin
                           ParallelPhasedExecution, Phase, SerialPhasedExecution,
                           PipelinedExecution, ShardedExecution, Stage,
                           recomputationCheckpoint, removeBlocks)
+from .arg_parsers import ICustomArgParser, registerCustomArgParser
 from .data import DataLoader
 from .enums import *  # noqa: F401,F403 - PopTorch re-exports its enums
 from .errors import (BatchDimensionError, DataDependentError, Error, InputMismatchError,

@@ -44,6 +44,14 @@ def _reorder_like(value, like):
     return value
 
 
+def _holds_tensors(leaf):
+    """An input object (not a tensor, tuple, list or dict) with tensors in
+    its attributes: a custom type without a registered parser."""
+    if isinstance(leaf, torch.Tensor):
+        return False
+    return any(isinstance(v, torch.Tensor) for v in getattr(leaf, "__dict__", {}).values())
+
+
 class ModelInputs:
     """What ``PoplarExecutor`` knows of its model's inputs."""
 
@@ -85,11 +93,18 @@ class ModelInputs:
             (args, kwargs))
         arg_names = list(forward_signature(self._model).parameters)
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        for leaf in leaves:
+        names = _leaf_names(args, kwargs, arg_names)
+        for name, leaf in zip(names, leaves):
             if isinstance(leaf, torch.Tensor) and leaf.numel() == 0:
                 raise Error("Zero-sized tensors are unsupported (Got shape "
                             f"{list(leaf.shape)})")
-        return args, kwargs, leaves, spec, _leaf_names(args, kwargs, arg_names)
+            if _holds_tensors(leaf):
+                kind = type(leaf).__name__
+                raise Error(
+                    f"Input {name} is a {kind} holding tensors, which would be compiled "
+                    f"into the model as constants. Register a poptorch.ICustomArgParser "
+                    f"for it: poptorch.registerCustomArgParser({kind}, parser).")
+        return args, kwargs, leaves, spec, names
 
     def remember(self, args, kwargs, leaves, spec, names):
         """The inputs the model was compiled for."""
