@@ -15,6 +15,7 @@ from .annotations import (BeginBlock, Block, BlockFunction, BlockId, LegacyBegin
                           PipelinedExecution, ShardedExecution, Stage,
                           recomputationCheckpoint, removeBlocks)
 from .arg_parsers import ICustomArgParser, registerCustomArgParser
+from .control_flow import cond, for_loop
 from .data import DataLoader
 from .enums import *  # noqa: F401,F403 - PopTorch re-exports its enums
 from .errors import (BatchDimensionError, DataDependentError, Error, InputMismatchError,

@@ -39,13 +39,18 @@ def is_tracing():
     return getattr(_tracing, "active", False)
 
 
+def tracing_training():
+    """True while the training step (forward, loss and backward) is traced."""
+    return is_tracing() and getattr(_tracing, "training", False)
+
+
 @contextlib.contextmanager
-def _tracing_scope():
-    _tracing.active = True
+def _tracing_scope(training=False):
+    _tracing.active, _tracing.training = True, training
     try:
         yield
     finally:
-        _tracing.active = False
+        _tracing.active = _tracing.training = False
 
 
 @dataclass
@@ -146,7 +151,8 @@ def _trace(fn, example, what, blocks_seen=None, stack_traces=False):
     Tensors that ``fn`` reaches other than through its arguments (attributes,
     closures) are traced as constants (fx ``get_attr`` nodes)."""
     try:
-        with _tracing_scope(), _blocks.recording() as entered, tracing_backends():
+        with _tracing_scope(what == "training step"), _blocks.recording() as entered, \
+                tracing_backends():
             gm = make_fx(functionalize(fn, remove="mutations"), tracing_mode="fake",
                          decomposition_table=decompositions(), _allow_non_fake_inputs=True,
                          record_stack_traces=stack_traces)(*example)

@@ -6,11 +6,20 @@ machine's work).  A ``Program`` is the control program around graphs, as
 Poplar builds it: repeat loops for device iterations and gradient
 accumulation, host streams, calls of graphs on a replica, cross-replica
 reductions.
+
+An op may hold sub-graphs (``Op.subgraphs``): a loop its body, a
+conditional its two branches.  A sub-graph's inputs are the op's tensor
+arguments in order, its outputs become the op's results.
+
+Text forms come from ``ir.printer``, which registers its formatters in
+``FORMATTERS`` (the printer imports this module, never the reverse).
 """
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+
+FORMATTERS = {}      # "graph" / "program" -> function(obj) -> str (ir.printer)
 
 # Roles a tensor plays; the first group is always live on the device.
 ALWAYS_LIVE_ROLES = ("param", "buffer", "state", "hyper", "accumulator", "const")
@@ -63,6 +72,8 @@ class Op:
     backward: bool = False            # part of the backward pass
     inplace: bool = False             # writes its first argument (engine runs it in place)
     traced_layout: Optional[tuple] = None   # (shape, stride, offset) of arg 0 in the trace
+    subgraphs: Optional[dict] = None  # name -> Graph: a loop's "body", a conditional's
+    attrs: dict = field(default_factory=dict)   # "then" and "else"; e.g. {"count": 10}
 
     def input_tensors(self):
         found = []
@@ -79,6 +90,25 @@ class Op:
         visit(self.args)
         visit(self.kwargs)
         return found
+
+
+def subgraph_inputs(op, name):
+    """The tensors of the enclosing graph that sub-graph ``name`` of ``op``
+    receives as its inputs, in order: a loop's carried values then the
+    tensors its body reads (``args = (carried, read)``); a conditional's
+    branch the tensors it reads (``args = (condition, then_reads,
+    else_reads)``)."""
+    if name == "body":
+        return list(op.args[0]) + list(op.args[1])
+    return list(op.args[1] if name == "then" else op.args[2])
+
+
+def all_ops(graph):
+    """The ops of ``graph`` and of every sub-graph they hold, depth first."""
+    for op in graph.ops:
+        yield op
+        for sub in (op.subgraphs or {}).values():
+            yield from all_ops(sub)
 
 
 @dataclass(eq=False)
@@ -99,8 +129,7 @@ class Graph:
         return t
 
     def __str__(self):
-        from .printer import format_graph
-        return format_graph(self)
+        return FORMATTERS["graph"](self)
 
 
 # -- the control program ---------------------------------------------------------
@@ -207,5 +236,4 @@ class Program:
         return self.replicas * self.processes
 
     def __str__(self):
-        from .printer import format_program
-        return format_program(self)
+        return FORMATTERS["program"](self)

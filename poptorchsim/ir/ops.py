@@ -21,6 +21,9 @@ pool            a windowed reduction
 gather          indexed reads or writes: indices and rows cross the exchange
 sort            log2(n) compare-exchange rounds (sorting networks, scans)
 matmul/conv     the AMP units (``machine/cost._plan_matmul``)
+loop            a loop: its body's cost times the count (``machine/cost``)
+cond            a conditional: the condition's trip to the control program,
+                then the longer branch's cost
 rnn             a fused recurrent layer (popnn's LSTM): the input projection
                 as one matmul, then per time step a matmul and the gates'
                 element-wise work (``machine/cost._rnn_cost``)
@@ -114,6 +117,24 @@ _CLASSES = {
         _native_batch_norm_legit native_batch_norm native_group_norm
         native_group_norm_backward""",
 }
+
+class ControlFlow:
+    """The target of a loop or conditional op (its numerics are its
+    sub-graphs, run by the engine)."""
+
+    def __init__(self, name):
+        self.__name__ = name
+
+    @property
+    def overloadpacket(self):
+        return self
+
+    def __repr__(self):
+        return f"poptorchsim.{self.__name__}"
+
+
+LOOP = ControlFlow("for_loop")
+COND = ControlFlow("cond")
 
 COST_CLASS = {}
 for _cls, _names in _CLASSES.items():

@@ -1,8 +1,9 @@
-"""Readable text for graphs and programs, one line per op."""
+"""Readable text for graphs and programs, one line per op; an op holding
+sub-graphs (a loop, a conditional) prints them indented under it."""
 import torch
 
-from .graph import (AllGather, AllReduce, Call, DeviceToHost, HostToDevice, ReduceScatter,
-                    RemoteLoad, RemoteStore, Repeat, Sequence, Tensor)
+from .graph import (FORMATTERS, AllGather, AllReduce, Call, DeviceToHost, HostToDevice,
+                    ReduceScatter, RemoteLoad, RemoteStore, Repeat, Sequence, Tensor)
 
 _DTYPES = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16",
            torch.int64: "i64", torch.int32: "i32", torch.bool: "bool",
@@ -22,19 +23,22 @@ def _arg(x):
     return repr(x)
 
 
-def format_graph(graph):
-    lines = [f"graph {graph.name}("]
+def format_graph(graph, indent=""):
+    lines = [f"{indent}graph {graph.name}("]
     for t in graph.inputs:
-        lines.append(f"    %{t.name}: {type_str(t)}  # {t.role}")
-    lines.append("):")
+        lines.append(f"{indent}    %{t.name}: {type_str(t)}  # {t.role}")
+    lines.append(f"{indent}):")
     for op in graph.ops:
         outs = ", ".join(f"%{t.name}: {type_str(t)}" if t is not None else "_"
                          for t in op.outputs)
         args = ", ".join(_arg(a) for a in op.args)
         if op.kwargs:
             args += ", " + ", ".join(f"{k}={_arg(v)}" for k, v in op.kwargs.items())
-        lines.append(f"  {outs} = {op.target}({args})  # {op.cost_class}")
-    lines.append(f"  return {_arg(list(graph.outputs))}")
+        attrs = "".join(f", {k}={v!r}" for k, v in op.attrs.items())
+        lines.append(f"{indent}  {outs} = {op.target}({args}{attrs})  # {op.cost_class}")
+        for sub in (op.subgraphs or {}).values():
+            lines.append(format_graph(sub, indent + "    "))
+    lines.append(f"{indent}  return {_arg(list(graph.outputs))}")
     return "\n".join(lines)
 
 
@@ -71,3 +75,7 @@ def format_program(program):
     for graph in program.graphs.values():
         text += "\n\n" + format_graph(graph)
     return text
+
+
+FORMATTERS["graph"] = format_graph
+FORMATTERS["program"] = format_program

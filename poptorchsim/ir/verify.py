@@ -19,6 +19,11 @@ def verify_graph(graph):
                             f"%{t.name} before it is defined")
         if op.cost_class is None:
             raise Error(f"IR verifier: {op.name} has no cost class")
+        for sub in (op.subgraphs or {}).values():
+            verify_graph(sub)
+            if len(sub.outputs) != len(op.outputs):
+                raise Error(f"IR verifier: {op.name}'s sub-graph {sub.name} returns "
+                            f"{len(sub.outputs)} tensors for {len(op.outputs)} results")
         for t in op.outputs:
             if t is None:
                 continue

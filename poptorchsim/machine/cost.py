@@ -14,7 +14,8 @@ tile follows the bytes of the result on that tile (an array over tiles):
 * gathers and scatters: indices and selected rows cross the exchange, one
   element addressed at a time;
 * sorts and scans: log-depth rounds of compare-exchange (sorting networks);
-* views are free; copies cost exchange.
+* views are free; copies cost exchange;
+* a loop pays its body per iteration, a conditional its longer branch.
 
 Every superstep pays one sync.  A step's cycles are the sum, over its
 supersteps, of the slowest tile.
@@ -54,6 +55,7 @@ class OpCost:
     temp_bytes: object = 0      # temporary bytes per tile (array or 0)
     macs: int = 0
     flops: int = 0
+    parts: dict = None          # a loop's or conditional's sub-graphs: name -> [OpCost]
 
     @property
     def total(self):
@@ -117,6 +119,8 @@ def op_cost(op, target, amp=0.6):
     """The ``OpCost`` of ``op`` on ``target``; tensors must be tile-mapped."""
     cls = op.cost_class
     outs = [t for t in op.outputs if t is not None]
+    if cls in ("loop", "cond"):
+        return _control_flow_cost(op, target, amp)
     if cls == "view" or not outs:
         return OpCost()
     tiles = target.tiles
@@ -171,6 +175,35 @@ def op_cost(op, target, amp=0.6):
     cost.exchange = _exchange_cycles(out_max, target)
     cost.compute = out_max / _vector_rate(target) + VERTEX_OVERHEAD
     return cost
+
+
+def _control_flow_cost(op, target, amp):
+    """A loop pays its body ``count`` times, and per iteration one compute set
+    that advances the counter and branches (a sync) plus the copy of the
+    body's results into the next iteration's inputs; a conditional sends
+    its condition to the control program (a sync) and pays one branch: the
+    longer one, since which branch runs is known only on the device.  The
+    sub-graphs' op costs are kept in ``parts`` (memory planning reads their
+    temporary buffers)."""
+    parts = {name: [op_cost(inner, target, amp) for inner in sub.ops]
+             for name, sub in op.subgraphs.items()}
+    totals = {name: OpCost(compute=sum(c.compute for c in costs),
+                           exchange=sum(c.exchange for c in costs),
+                           sync=sum(c.sync for c in costs),
+                           macs=sum(c.macs for c in costs), flops=sum(c.flops for c in costs))
+              for name, costs in parts.items()}
+    sync = target.sync_cycles
+    if op.cost_class == "loop":
+        n, body = op.attrs["count"], totals["body"]
+        carried = sum(float(t.mapping.max_bytes()) for t in op.outputs if t is not None)
+        return OpCost(compute=n * (body.compute + VERTEX_OVERHEAD),
+                      exchange=n * (body.exchange + _exchange_cycles(carried, target)),
+                      sync=n * (body.sync + sync), macs=n * body.macs, flops=n * body.flops,
+                      parts=parts)
+    taken = max(totals.values(), key=lambda c: c.total)
+    return OpCost(compute=taken.compute + VERTEX_OVERHEAD,
+                  exchange=taken.exchange + _exchange_cycles(4, target),
+                  sync=taken.sync + sync, macs=taken.macs, flops=taken.flops, parts=parts)
 
 
 def _gather_cost(op, target, outs, out_max, item, cost):

@@ -38,6 +38,7 @@ def _in_place(graph):
     outputs = {t.id for t in graph.outputs}
     owned = {t.id for op in graph.ops
              if op.cost_class != "view" and not op.inplace and not _aliases(op.target)
+             and not op.subgraphs        # a loop's or branch's result may be its input
              for t in op.outputs if t is not None}
     if getattr(graph, "outputs_overwrite_inputs", False):
         owned |= {t.id for t in graph.inputs if t.role in ("param", "state", "accumulator")}
@@ -63,6 +64,20 @@ def _in_place(graph):
 def _aliases(target):
     schema = getattr(target, "_schema", None)
     return bool(schema) and any(r.alias_info is not None for r in schema.returns)
+
+
+def run_loop(count, body, carried, read):
+    """A loop op: ``body`` (a compiled graph) ``count`` times over the carried
+    values; ``read``: the enclosing graph's tensors the body reads."""
+    for _ in range(count):
+        carried = body(carried + read)
+    return carried
+
+
+def run_cond(condition, then, orelse, then_reads, else_reads):
+    """A conditional op: one branch (a compiled graph), chosen by the
+    one-element boolean tensor ``condition``."""
+    return then(then_reads) if bool(condition) else orelse(else_reads)
 
 
 def compile_graph(graph):
@@ -112,7 +127,16 @@ def compile_graph(graph):
             op_args[0], op_args[pos] = op_args[pos], op_args[0]
         args = [render(a) for a in op_args]
         args += [f"{key}={render(v)}" for key, v in op.kwargs.items()]
-        if op.target in (aten.as_strided.default, aten.as_strided_.default):
+        if op.subgraphs:           # a loop or a conditional: its sub-graphs compiled
+            for name, sub in op.subgraphs.items():
+                glb[f"{fn}_{name}"] = compile_graph(sub)
+            if op.cost_class == "loop":
+                glb[fn] = run_loop
+                args = [repr(op.attrs["count"]), f"{fn}_body"] + args
+            else:
+                glb[fn] = run_cond
+                args = [args[0], f"{fn}_then", f"{fn}_else"] + args[1:]
+        elif op.target in (aten.as_strided.default, aten.as_strided_.default):
             glb[fn] = as_strided
             args.append(f"traced={const(op.traced_layout)}")
         else:

@@ -8,6 +8,12 @@ returned, right after the model's own outputs (``graph.input_writes`` names
 the inputs), so the runtime can write it back to the caller's tensor as PopTorch
 does.  Every operation without a cost class is collected, and all of them
 are reported in a single error, each with the line of the model that made it.
+
+Loops and conditionals (``poptorchsim.for_loop`` / ``cond``) arrive as
+marker ops around their bodies, traced inline; every op between a loop's
+markers goes into the loop op's body graph, every op between a
+conditional's markers into its ``then`` or ``else`` graph.  A body reading
+a tensor of an enclosing graph gets it as an extra input (``_Scope``).
 """
 import operator
 from collections import OrderedDict
@@ -15,9 +21,10 @@ from collections import OrderedDict
 import torch
 import torch.utils._pytree as pytree
 
+from ..capture.control_flow import MARKERS, OPS as FLOW
 from ..errors import UnsupportedOperationError
-from ..ir.graph import Graph, Op
-from ..ir.ops import cost_class, is_inplace, unsupported_reason
+from ..ir.graph import Graph, Op, Tensor
+from ..ir.ops import COND, LOOP, cost_class, is_inplace, unsupported_reason
 from ..ir.verify import verify_graph
 
 aten = torch.ops.aten
@@ -50,11 +57,24 @@ def _unsupported(node, target):
     return why
 
 
+class _Scope:
+    """A graph being filled: the whole program's, or a loop body or a branch
+    inside it.  ``free``: tensors of enclosing graphs the body reads -> its
+    inputs standing for them; ``outer``: those tensors, as the enclosing graph
+    names them (the op's arguments)."""
+
+    def __init__(self, graph, **info):
+        self.graph, self.info = graph, info
+        self.free, self.outer = {}, []
+
+
 def lower(gm, name, roles, n_model_outputs=0):
     """Lower ``gm`` to an IR graph; ``roles[i]`` = (name, role) of placeholder i;
     the first ``n_model_outputs`` outputs are the model's own."""
     gm.graph.eliminate_dead_code()
-    graph = Graph(name)
+    graph = root = Graph(name)
+    scopes = [_Scope(root)]
+    owner = {}                  # tensor -> the graph that defines it
     env = {}
     unsupported = OrderedDict()
     writes = {}                 # input tensor -> its new value (input mutations)
@@ -66,15 +86,49 @@ def lower(gm, name, roles, n_model_outputs=0):
         t = graph.new_tensor(tname, val.shape, val.dtype, role)
         graph.inputs.append(t)
         env[node] = t
+        owner[t] = root
+
+    def bring(t, level=None):
+        """``t`` as the graph of scope ``level`` (default: the innermost) reads
+        it: itself, or the input that stands for it in a body."""
+        level = len(scopes) - 1 if level is None else level
+        scope = scopes[level]
+        if owner.get(t, root) is scope.graph or level == 0:
+            return t
+        if t not in scope.free:
+            outer = bring(t, level - 1)
+            inner = scope.graph.new_tensor(t.name, t.shape, t.dtype)
+            scope.graph.inputs.append(inner)
+            owner[inner] = scope.graph
+            scope.free[t] = inner
+            scope.outer.append(outer)
+        return scope.free[t]
 
     def arg(x):
-        return pytree.tree_map_only(torch.fx.Node, lambda n: env[n], x)
+        return pytree.tree_map_only(
+            torch.fx.Node, lambda n: pytree.tree_map_only(Tensor, bring, env[n]), x)
+
+    def append(g, op, vals):
+        """Adds control-flow ``op`` to ``g`` with new tensors for its results
+        (``vals``: their fake values); returns them."""
+        op.outputs = [g.new_tensor(f"{op.name}_{i}", v.shape, v.dtype, producer=op)
+                      for i, v in enumerate(vals)]
+        for t in op.outputs:
+            owner[t] = g
+        g.ops.append(op)
+        return op.outputs
 
     for node in gm.graph.nodes:
+        graph = scopes[-1].graph
+        if node.op == "call_function" and node.target in MARKERS:
+            if not unsupported:
+                _control_flow(node, scopes, env, arg, bring, append, owner)
+            continue
         if node.op == "get_attr":
             value = getattr(gm, node.target)
             env[node] = graph.new_tensor(node.target.replace(".", "_"), value.shape,
                                          value.dtype, "const", value=value)
+            owner[env[node]] = graph
         elif node.op == "call_function":
             target = node.target
             if target is aten.copy_.default and node.args[0].op == "placeholder":
@@ -120,9 +174,11 @@ def lower(gm, name, roles, n_model_outputs=0):
                     shape, dtype = _saved_state(target, i, node) or (v.shape, v.dtype)
                     op.outputs.append(graph.new_tensor(f"{node.name}_{i}", shape, dtype,
                                                        producer=op))
+                    owner[op.outputs[-1]] = graph
                 env[node] = op.outputs
             elif _meta_tensor(val):
                 t = graph.new_tensor(node.name, val.shape, val.dtype, producer=op)
+                owner[t] = graph
                 op.outputs.append(t)
                 env[node] = t
             else:
@@ -133,6 +189,7 @@ def lower(gm, name, roles, n_model_outputs=0):
         elif node.op == "output":
             if unsupported:
                 break
+            graph = root
             outs = [env[n] for n in pytree.tree_leaves(node.args[0])]
             model_inputs = [t for t in graph.inputs if t.role == "input"]
             graph.input_writes = [model_inputs.index(t) for t in writes]
@@ -148,6 +205,50 @@ def lower(gm, name, roles, n_model_outputs=0):
             "operations, or compute them on the host before calling the model.")
     _share_available_memory(graph)
     return verify_graph(graph)
+
+
+def _control_flow(node, scopes, env, arg, bring, append, owner):
+    """Handles a loop or conditional marker: opens or closes a body scope,
+    and on closing adds the loop or conditional op to the enclosing graph."""
+    target, name, vals = node.target, node.name, node.meta.get("val")
+    if target is FLOW["loop_begin"]:
+        carried, count = arg(node.args[0]), node.args[1]
+        body = Graph(f"{name}_body")
+        for t in carried:
+            x = body.new_tensor(t.name, t.shape, t.dtype)
+            body.inputs.append(x)
+            owner[x] = body
+        scopes.append(_Scope(body, carried=carried, count=count))
+        env[node] = list(body.inputs)
+    elif target is FLOW["loop_end"]:
+        body = scopes[-1]
+        body.graph.outputs = [bring(env[n]) for n in node.args[0]]
+        scopes.pop()
+        parent = scopes[-1].graph
+        op = Op(len(parent.ops), name, LOOP, (body.info["carried"], body.outer), {}, [],
+                "loop", multi_output=True, subgraphs={"body": body.graph},
+                attrs={"count": body.info["count"]})
+        env[node] = append(parent, op, vals)
+    elif target is FLOW["cond_begin"]:
+        condition = arg(node.args[0])
+        scopes.append(_Scope(Graph(f"{name}_then"), condition=condition))
+        env[node] = condition
+    elif target is FLOW["cond_else"]:
+        then = scopes[-1]
+        then.graph.outputs = [bring(env[n]) for n in node.args[0]]
+        scopes.pop()
+        scopes.append(_Scope(Graph(f"{then.graph.name[:-5]}_else"), then=then))
+        env[node] = [None] * len(node.args[0])      # read by cond_end only
+    elif target is FLOW["cond_end"]:
+        orelse = scopes[-1]
+        orelse.graph.outputs = [bring(env[n]) for n in node.args[0]]
+        scopes.pop()
+        then = orelse.info["then"]
+        parent = scopes[-1].graph
+        op = Op(len(parent.ops), name, COND,
+                (then.info["condition"], then.outer, orelse.outer), {}, [], "cond",
+                multi_output=True, subgraphs={"then": then.graph, "else": orelse.graph})
+        env[node] = append(parent, op, vals)
 
 
 _AMP_CLASSES = ("matmul", "conv", "rnn")       # ops the AMP units run

@@ -185,6 +185,39 @@ def _live_usage(graph, tiles, temps, ipu=0, op_phase=None):
     return live.astype(np.float64) @ per_tensor + temps, live, [buffers[i] for i in ids]
 
 
+def _vertex_state(op, tiles):
+    """Vertex state ``op`` leaves on the tiles its results live on."""
+    used = np.zeros(tiles, dtype=bool)
+    for t in op.outputs:
+        if t is not None and op.cost_class != "view":
+            used |= t.mapping.bytes_per_tile(tiles) > 0
+    return used * VERTEX_STATE_BYTES
+
+
+def _subgraph_memory(op, cost, tiles, ipu):
+    """(temporary, always-live) bytes per tile of a loop's body or a
+    conditional's branches: while it runs, the op holds the peak of a
+    sub-graph's own live activations (its inputs and results belong to the
+    enclosing graph); every op of every sub-graph keeps its vertex state
+    (both branches of a conditional are on the tiles)."""
+    temp = np.zeros(tiles)
+    state = np.zeros(tiles, dtype=np.int64)
+    for name, sub in op.subgraphs.items():
+        parts = cost.parts[name]
+        temps = np.zeros((len(sub.ops), tiles))
+        for k, (inner, c) in enumerate(zip(sub.ops, parts)):
+            temps[k] += c.temp_bytes
+            state += _vertex_state(inner, tiles)
+            if c.parts:
+                body, nested = _subgraph_memory(inner, c, tiles, ipu)
+                temps[k] += body
+                state += nested
+        usage = _live_usage(sub, tiles, temps, ipu)[0]
+        if len(usage):
+            temp = np.maximum(temp, usage.max(axis=0))
+    return temp, state
+
+
 def plan_memory(program, variables, target, costs, ipu=0, locations=None):
     """The ``MemoryReport`` of ``program`` on IPU ``ipu``.
 
@@ -236,11 +269,11 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None):
             if op.ipu != ipu:
                 continue
             temps[k] += cost.temp_bytes
-            used = np.zeros(tiles, dtype=bool)
-            for t in op.outputs:
-                if t is not None and op.cost_class != "view":
-                    used |= t.mapping.bytes_per_tile(tiles) > 0
-            always += used * VERTEX_STATE_BYTES
+            always += _vertex_state(op, tiles)
+            if cost.parts:
+                body, state = _subgraph_memory(op, cost, tiles, ipu)
+                temps[k] += body
+                always += state
         op_phase = (np.array([phased[op.stage] for op in graph.ops], dtype=np.int64)
                     if phased else None)
         for t in graph.inputs:          # off-chip variables this graph loads

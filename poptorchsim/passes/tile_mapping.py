@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..ir.graph import subgraph_inputs
+
 
 @dataclass(frozen=True)
 class TileMapping:
@@ -43,7 +45,8 @@ class TileMapping:
 _INHERITS = ("view", "elementwise", "transcendental", "random")
 
 
-def map_graph(graph, target, cursor=None, variables=None, input_ipu=None, full_bytes=None):
+def map_graph(graph, target, cursor=None, variables=None, input_ipu=None, full_bytes=None,
+              bound=None):
     """Give every tensor of ``graph`` a ``mapping`` on the tile array of the IPU
     that computes it; returns the next start tile of each IPU.
 
@@ -52,7 +55,9 @@ def map_graph(graph, target, cursor=None, variables=None, input_ipu=None, full_b
     always-live inputs are added to it.  ``input_ipu`` names the IPU of each
     input (default 0); op results live on ``op.ipu``.  ``full_bytes`` (name ->
     bytes) maps an input that the graph reads as one replica's shard at the
-    size of the whole variable it is cut from.
+    size of the whole variable it is cut from.  ``bound``: for a loop body or
+    a branch, the enclosing graph's tensors its inputs stand for (they share
+    their mappings); its ops run where the loop or conditional does.
     """
     variables = {} if variables is None else variables
     cursor = {} if cursor is None else cursor
@@ -69,7 +74,9 @@ def map_graph(graph, target, cursor=None, variables=None, input_ipu=None, full_b
         t.mapping = TileMapping(start % target.tiles, n, nbytes, grain, ipu)
         cursor[ipu] = (start + n) % target.tiles
 
-    for t in graph.inputs:
+    for t, outer in zip(graph.inputs, bound or ()):
+        t.mapping = outer.mapping
+    for t in graph.inputs[len(bound or ()):]:
         if t.name in variables:
             t.mapping = variables[t.name].mapping
             continue
@@ -97,4 +104,8 @@ def map_graph(graph, target, cursor=None, variables=None, input_ipu=None, full_b
                 out.mapping = TileMapping(m.start, m.n_tiles, out.nbytes, m.grain, m.ipu)
             else:
                 spread(out, op.ipu)
+        for name, sub in (op.subgraphs or {}).items():
+            for inner in sub.ops:
+                inner.ipu, inner.stage = op.ipu, op.stage
+            map_graph(sub, target, cursor, variables, None, None, subgraph_inputs(op, name))
     return cursor
