@@ -16,7 +16,7 @@ from .annotations import (BeginBlock, Block, BlockFunction, BlockId, LegacyBegin
                           recomputationCheckpoint, removeBlocks)
 from .arg_parsers import ICustomArgParser, registerCustomArgParser
 from .control_flow import cond, for_loop
-from .data import DataLoader
+from .data import AsynchronousDataAccessor, DataLoader
 from .enums import *  # noqa: F401,F403 - PopTorch re-exports its enums
 from .errors import (BatchDimensionError, DataDependentError, Error, InputMismatchError,
                      LossError, OutOfMemoryError, RecoverableError, UnrecoverableError,

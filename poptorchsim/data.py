@@ -3,11 +3,21 @@
 Each item holds ``batch_size * deviceIterations * (replicationFactor /
 input_group_size) * gradientAccumulation`` samples: everything one call of
 the model consumes.  ``drop_last`` is True by default, as in PopTorch.
+
+``AsynchronousDataAccessor`` loads the items in a worker process
+(``data_worker``) ahead of the model; ``DataLoader(mode=DataLoaderMode.Async)``
+uses one, and ``AsyncRebatched`` lets the worker read smaller batches and
+join them into combined batches.
 """
+import atexit
 import logging
+import weakref
 
 import torch
 
+from .data_worker import Worker
+from .enums import DataLoaderMode, SharingStrategy
+from .errors import Error
 from .options import Options
 
 logger = logging.getLogger("poptorchsim")
@@ -18,13 +28,16 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __init__(self, options, dataset, batch_size=1, shuffle=None, num_workers=0,
                  drop_last=True, persistent_workers=None,
-                 auto_distributed_partitioning=True, mode=None, async_options=None,
-                 rebatched_worker_size=None, batch_sampler=None, **kwargs):
+                 auto_distributed_partitioning=True, mode=DataLoaderMode.Sync,
+                 async_options=None, rebatched_worker_size=None, batch_sampler=None,
+                 **kwargs):
         if not isinstance(options, Options):
             raise TypeError(f"Invalid type: 'options' is of type {type(options)} "
                             "(Expected poptorch.Options)")
+        mode = _check_mode(mode, async_options, rebatched_worker_size)
         options._freeze()
         self._options = options
+        self._accessor = None
         o = options
         ga = o.Training.gradient_accumulation
         self._combine = o.device_iterations * (o.replication_factor // o.input_group_size) * ga
@@ -35,6 +48,7 @@ class DataLoader(torch.utils.data.DataLoader):
             self._combined = None
             super().__init__(dataset, batch_sampler=_Combine(batch_sampler, self._combine),
                              num_workers=num_workers, **kwargs)
+            self._start_async(mode, async_options, None)
             return
         processes = o.Distributed.numProcesses
         partition = processes > 1 and auto_distributed_partitioning
@@ -53,8 +67,13 @@ class DataLoader(torch.utils.data.DataLoader):
             self._combined = None
             super().__init__(dataset, batch_size=None, shuffle=bool(shuffle),
                              num_workers=num_workers, **kwargs)
+            self._start_async(mode, async_options, None)
             return
         self._combined = batch_size * self._combine
+        # Async with drop_last=False rebatches too: the worker then returns
+        # the last, smaller batch itself (PopTorch's rule)
+        rebatched = mode == DataLoaderMode.AsyncRebatched or (
+            mode == DataLoaderMode.Async and not drop_last and self._combined > 1)
         n = len(dataset) if hasattr(dataset, "__len__") else None
         if n == 0:
             raise ValueError("The Dataset is empty")
@@ -75,9 +94,46 @@ class DataLoader(torch.utils.data.DataLoader):
             shuffle = False
         if persistent_workers is None:
             persistent_workers = num_workers > 0
-        super().__init__(dataset, batch_size=self._combined, shuffle=bool(shuffle),
-                         num_workers=num_workers, drop_last=drop_last,
+        loader_batch, loader_drop_last = self._combined, drop_last
+        if rebatched:
+            self.rebatched_drop_last = drop_last
+            loader_batch, loader_drop_last = self._combined, False
+            if rebatched_worker_size is not None:
+                assert rebatched_worker_size <= self._combined, (
+                    f"The rebatched_worker_size ({rebatched_worker_size}) must be <= to "
+                    f"the combined batch size ({self._combined})")
+                loader_batch = rebatched_worker_size
+        super().__init__(dataset, batch_size=loader_batch, shuffle=bool(shuffle),
+                         num_workers=num_workers, drop_last=loader_drop_last,
                          persistent_workers=persistent_workers, **kwargs)
+        self._start_async(mode, async_options, self._combined if rebatched else None)
+
+    def _start_async(self, mode, async_options, rebatched_size):
+        """Async modes: an ``AsynchronousDataAccessor`` over this loader."""
+        if mode == DataLoaderMode.Sync:
+            return
+        async_options = dict(async_options or {})
+        assert "rebatched_size" not in async_options, (
+            "You cannot use DataLoaderMode.AsyncRebatched and manually specify the "
+            "rebatched_size in async_options")
+        self._accessor = AsynchronousDataAccessor(self, **async_options,
+                                                  rebatched_size=rebatched_size)
+
+    def __len__(self):
+        accessor = self.__dict__.get("_accessor")
+        if accessor is None or not accessor.rebatched_size:
+            return super().__len__()
+        n = len(self.dataset)
+        length = n // accessor.rebatched_size
+        if not self.rebatched_drop_last and n % accessor.rebatched_size:
+            length += 1
+        return length
+
+    def __iter__(self):
+        accessor = self.__dict__.get("_accessor")
+        if accessor is not None:
+            return iter(accessor)
+        return super().__iter__()
 
     @property
     def combinedBatchSize(self):
@@ -89,7 +145,129 @@ class DataLoader(torch.utils.data.DataLoader):
         return self._options
 
     def terminate(self):
-        """Nothing to stop: loading is synchronous."""
+        """Stops the worker process of an async mode; nothing to do otherwise."""
+        accessor = self.__dict__.get("_accessor")
+        if accessor is not None:
+            accessor.terminate()
+
+    def __del__(self):
+        self.terminate()
+
+
+def _check_mode(mode, async_options, rebatched_worker_size):
+    if mode is None:
+        mode = DataLoaderMode.Sync
+    if not isinstance(mode, DataLoaderMode):
+        raise Error(f"mode must be a poptorch.DataLoaderMode (Sync, Async or "
+                    f"AsyncRebatched), got {mode!r}")
+    if mode == DataLoaderMode.Sync and async_options:
+        logger.warning("DataLoader: async_options %s have no effect with "
+                       "DataLoaderMode.Sync: pass mode=DataLoaderMode.Async to load "
+                       "in a worker process.", async_options)
+    if mode == DataLoaderMode.Sync and rebatched_worker_size is not None:
+        logger.warning("DataLoader: rebatched_worker_size=%d has no effect with "
+                       "DataLoaderMode.Sync: it applies to DataLoaderMode.AsyncRebatched.",
+                       rebatched_worker_size)
+    return mode
+
+
+class AsynchronousDataAccessor:
+    """Loads ``dataset``'s items in a worker process, up to ``buffer_size``
+    ahead of the consumer (PopTorch's ``poptorch.AsynchronousDataAccessor``).
+
+    ``dataset``: any iterable, usually a ``poptorchsim.DataLoader``.  The
+    items' tensors arrive in shared memory.  ``load_indefinitely``: the
+    worker starts the next epoch as soon as one ends; ``early_preload``: it
+    fills the buffer before the first ``iter()``.  ``sharing_strategy`` is
+    how the worker process gets the dataset (``Fork``, ``ForkServer``,
+    ``SharedMemory``: pickled to a spawned process, ``FileSystem``: through
+    a file).  ``rebatched_size``: the worker joins (or cuts) the dataset's
+    batches into batches of that many samples.
+    """
+
+    def __init__(self, dataset, buffer_size=3, miss_sleep_time_in_ms=0.1,
+                 load_indefinitely=True, early_preload=False,
+                 sharing_strategy=SharingStrategy.ForkServer, rebatched_size=None):
+        self._worker = None
+        if isinstance(dataset, DataLoader) and dataset.__dict__.get("_accessor") is not None:
+            raise Error("The DataLoader already uses an AsynchronousDataAccessor internally. "
+                        "Either use the existing one or set "
+                        "mode='poptorch.DataLoaderMode.Sync' in the DataLoader.")
+        if isinstance(dataset, DataLoader) and not dataset.drop_last \
+                and dataset.combinedBatchSize not in (None, 1) and rebatched_size is None:
+            raise AssertionError("The 'drop_last=False' option from the DataLoader only works "
+                                 "if 'rebatched_size' is specified too.")
+        if rebatched_size is not None:
+            assert rebatched_size > 1, "rebatched_size must be None or greater than 1"
+        if not isinstance(buffer_size, int) or buffer_size < 1:
+            raise Error(f"buffer_size must be a positive integer, got {buffer_size!r}")
+        if not isinstance(sharing_strategy, SharingStrategy):
+            raise Error(f"sharing_strategy must be a poptorch.SharingStrategy, got "
+                        f"{sharing_strategy!r}")
+        self._dataset = dataset
+        self.rebatched_size = rebatched_size
+        self._epoch, self._started, self._used, self._eof = 0, False, False, False
+        self._worker = Worker(dataset, buffer_size, miss_sleep_time_in_ms, load_indefinitely,
+                              early_preload, sharing_strategy, rebatched_size,
+                              getattr(dataset, "rebatched_drop_last", True))
+        # stop the worker at exit even if the accessor is still referenced
+        atexit.register(_terminate_ref, weakref.ref(self))
+
+    def terminate(self):
+        """Stops the worker process."""
+        if self._worker is not None:
+            self._worker.terminate()
+            self._worker = None
+
+    def __del__(self):
+        self.terminate()
+
+    def __len__(self):
+        length = len(self._dataset)
+        if self.rebatched_size and getattr(self._dataset, "_accessor", None) is not self:
+            samples = length * (getattr(self._dataset, "batch_size", 1) or 1)
+            length = samples // self.rebatched_size
+        return length
+
+    def __iter__(self):
+        if self._worker is None:
+            raise Error("The AsynchronousDataAccessor was terminated: create a new one "
+                        "to load data again.")
+        if self._used or self._eof:
+            # an epoch was (partly) consumed: the worker moves to the next one,
+            # restarting the dataset's iterator unless it already has
+            self._epoch += 1
+            self._worker.start(self._epoch)
+        elif not self._started:
+            self._worker.start(self._epoch)
+        self._started, self._used, self._eof = True, False, False
+        return self
+
+    def __next__(self):
+        if self._worker is None:
+            raise Error("The AsynchronousDataAccessor was terminated: create a new one "
+                        "to load data again.")
+        if self._eof:
+            raise StopIteration
+        while True:
+            message = self._worker.next_message()
+            kind = message[1]
+            if kind == "error":
+                self.terminate()
+                raise Error(message[2])
+            if message[0] != self._epoch:
+                continue                   # an abandoned epoch's item
+            if kind == "eof":
+                self._eof = True
+                raise StopIteration
+            self._used = True
+            return message[2]
+
+
+def _terminate_ref(ref):
+    accessor = ref()
+    if accessor is not None:
+        accessor.terminate()
 
 
 def _process_part(options, n, combined, shuffle, drop_last):
