@@ -22,7 +22,11 @@ from .errors import (BatchDimensionError, DataDependentError, Error, InputMismat
                      LossError, OutOfMemoryError, RecoverableError, UnrecoverableError,
                      UnsupportedOperationError, createPoptorchError)
 from .ops import identity_loss, ipuHardwareIsAvailable, isRunningOnIpu, set_available_memory
+from .graph_ops import (Attribute, CustomOp, MultiConv, NameScope, custom_op,
+                        dynamic_slice, dynamic_update, nop, register_custom_op,
+                        serializedMatMul)
 from .options import Options, TensorLocationSettings
+from .printing import module_repr, print  # noqa: A004 - PopTorch's poptorch.print
 from .overlap import set_overlap_for_input, set_overlap_for_output
 from .runtime.executor import PoplarExecutor
 

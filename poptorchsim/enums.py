@@ -91,3 +91,10 @@ class OverlapMode(enum.Enum):
     NoOverlap = "no_overlap"
     OverlapAccumulationLoop = "overlap_accumulation_loop"
     OverlapDeviceIterationLoop = "overlap_device_iteration_loop"
+
+
+class MultiConvPlanType(enum.IntEnum):
+    """How a ``MultiConv``'s convolutions are planned: in one compute set
+    (each on its share of the tiles) or one after another."""
+    Parallel = 0
+    Serial = 1

@@ -33,3 +33,23 @@ def annotate(tensor, key, value):
         return False
     proxy.node.meta[key] = value
     return True
+
+
+def annotate_producer(tensor, key, value):
+    """``annotate`` on the op that computed ``tensor``, looking through the
+    views after it (``torch.matmul`` of 3-D by 2-D tensors traces as a
+    view, an ``mm`` and a view back)."""
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None:
+        return False
+    from ..ir.ops import cost_class
+    inner = _innermost(tensor)
+    proxy = proxy_tensor.get_proxy_slot(inner, mode.tracer, None, lambda slot: slot.proxy)
+    if proxy is None:
+        return False
+    node = proxy.node
+    while node.op == "call_function" and node.args and \
+            isinstance(node.args[0], torch.fx.Node) and cost_class(node.target) == "view":
+        node = node.args[0]
+    node.meta[key] = value
+    return True

@@ -21,6 +21,8 @@ pool            a windowed reduction
 gather          indexed reads or writes: indices and rows cross the exchange
 sort            log2(n) compare-exchange rounds (sorting networks, scans)
 matmul/conv     the AMP units (``machine/cost._plan_matmul``)
+custom          a user's custom op: the cycles and temporary memory its
+                author declared (``ir.custom``, ``register_custom_op``)
 loop            a loop: its body's cost times the count (``machine/cost``)
 cond            a conditional: the condition's trip to the control program,
                 then the longer branch's cost
@@ -37,6 +39,8 @@ touched once).  Nothing with tensor results is left without a cost.
 import functools
 
 import torch
+
+from .custom import CUSTOM_NAMESPACE
 
 # cost class -> ATen operation names (OpOverloadPacket names, no overload)
 _CLASSES = {
@@ -168,6 +172,12 @@ def _returns_alias(target):
                                 for r in schema.returns)
 
 
+# poptorchsim's own library ops that reach the IR (``capture.custom_ops``):
+# ``nop`` is a copy the compiler keeps.  Users' custom ops are class
+# ``custom``, costed as their authors declare (``ir.custom``).
+_OWN_OPS = {"nop": "copy"}
+
+
 # Iterative factorizations: LAPACK loops until convergence; neither Poplar's
 # libraries nor PopTorch have them on the IPU.
 _NO_IPU_KERNEL = """_linalg_svd linalg_svd svd linalg_eig _linalg_eig linalg_eigh _linalg_eigh
@@ -192,6 +202,11 @@ def cost_class(target):
     """The cost class of an ATen overload, or None when it cannot be lowered
     (not an ATen operation, or one PyTorch gives a dynamic output shape)."""
     name = _name(target)
+    namespace = getattr(target, "namespace", None)
+    if namespace == CUSTOM_NAMESPACE:
+        return "custom"
+    if namespace == "poptorchsim" and name in _OWN_OPS:
+        return _OWN_OPS[name]
     if name in COST_CLASS:
         return COST_CLASS[name]
     if name.endswith("_") and name[:-1] in COST_CLASS:       # in-place variant

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..ir.custom import cost_of as custom_cost_of
+
 VERTEX_OVERHEAD = 40            # cycles to start a compute set's vertices
 # A worker spends about three issue slots (load, operate, store) per 64-bit
 # vector and the six workers share the tile's issue slots, so element-wise
@@ -153,6 +155,8 @@ def op_cost(op, target, amp=0.6):
         cost.exchange = _exchange_cycles(moved, target)
         return cost
 
+    if cls == "custom":
+        return _custom_cost(op, target, outs, out_bytes, cost)
     if cls == "gather":
         return _gather_cost(op, target, outs, out_max, item, cost)
     if cls == "sort":
@@ -204,6 +208,29 @@ def _control_flow_cost(op, target, amp):
     return OpCost(compute=taken.compute + VERTEX_OVERHEAD,
                   exchange=taken.exchange + _exchange_cycles(4, target),
                   sync=taken.sync + sync, macs=taken.macs, flops=taken.flops, parts=parts)
+
+
+def _custom_cost(op, target, outs, out_bytes, cost):
+    """A user's custom op (``register_custom_op``): the worker cycles and
+    temporary bytes its author declared (``ir.custom.CustomCost``), spread
+    over the tiles as its result is, each tile's six workers sharing that
+    tile's part; inputs mapped elsewhere cross the exchange first."""
+    declared = custom_cost_of(op.target)
+    ins = op.input_tensors()
+    shapes = ([t.shape for t in ins], [t.shape for t in outs])
+    share = out_bytes / max(float(out_bytes.sum()), 1.0)
+    work = share * declared.worker_cycles(*shapes) / target.workers
+    cost.compute = float(work.max()) + VERTEX_OVERHEAD
+    moved = 0.0
+    home = (outs[0].mapping.start, outs[0].mapping.n_tiles)
+    for t in ins:
+        m = getattr(t, "mapping", None)
+        if m is not None and (m.start, m.n_tiles) != home:
+            moved += min(float(m.max_bytes()), float(out_bytes.max()))
+    cost.exchange = _exchange_cycles(moved, target)
+    cost.temp_bytes = share * declared.temporary_bytes(*shapes)
+    cost.flops = sum(t.numel for t in outs)
+    return cost
 
 
 def _gather_cost(op, target, outs, out_max, item, cost):

@@ -15,6 +15,7 @@ markers goes into the loop op's body graph, every op between a
 conditional's markers into its ``then`` or ``else`` graph.  A body reading
 a tensor of an enclosing graph gets it as an extra input (``_Scope``).
 """
+import dataclasses
 import operator
 from collections import OrderedDict
 
@@ -161,6 +162,7 @@ def lower(gm, name, roles, n_model_outputs=0):
                     available_memory=node.meta.get("available_memory"),
                     block=node.meta.get("custom", {}).get("block"),
                     backward=bool(node.meta.get("custom", {}).get("backward", False)))
+            _scoped(op, node)
             if target in _STRIDED:       # the engine re-lays its input out if needed
                 first = node.args[0].meta["val"]
                 op.traced_layout = (tuple(first.shape), tuple(first.stride()),
@@ -172,12 +174,12 @@ def lower(gm, name, roles, n_model_outputs=0):
                         op.outputs.append(None)
                         continue
                     shape, dtype = _saved_state(target, i, node) or (v.shape, v.dtype)
-                    op.outputs.append(graph.new_tensor(f"{node.name}_{i}", shape, dtype,
+                    op.outputs.append(graph.new_tensor(f"{op.name}_{i}", shape, dtype,
                                                        producer=op))
                     owner[op.outputs[-1]] = graph
                 env[node] = op.outputs
             elif _meta_tensor(val):
-                t = graph.new_tensor(node.name, val.shape, val.dtype, producer=op)
+                t = graph.new_tensor(op.name, val.shape, val.dtype, producer=op)
                 owner[t] = graph
                 op.outputs.append(t)
                 env[node] = t
@@ -203,6 +205,7 @@ def lower(gm, name, roles, n_model_outputs=0):
             f"The model uses {len(unsupported)} operation(s) that poptorchsim cannot "
             "place on the IPU:\n" + "\n".join(lines) + "\nReplace them with supported "
             "operations, or compute them on the host before calling the model.")
+    _group_multiconvs(graph)
     _share_available_memory(graph)
     return verify_graph(graph)
 
@@ -254,6 +257,22 @@ def _control_flow(node, scopes, env, arg, bring, append, owner):
 _AMP_CLASSES = ("matmul", "conv", "rnn")       # ops the AMP units run
 
 
+def _scoped(op, node):
+    """What the scopes around ``node``'s trace say of its op
+    (``capture/scopes.py``): ``NameScope`` prefixes its name,
+    ``Attribute`` and ``MultiConv`` give it attributes, and so does
+    ``serializedMatMul`` (an annotation, ``capture/annotations.py``)."""
+    custom = node.meta.get("custom", {})
+    if custom.get("name_scope"):
+        op.name = f"{custom['name_scope']}/{op.name}"
+    if custom.get("attributes"):
+        op.attrs["attributes"] = custom["attributes"]
+    if custom.get("multiconv") is not None and op.cost_class == "conv" and not op.backward:
+        op.attrs["multiconv"] = custom["multiconv"]
+    if node.meta.get("serialization") is not None:
+        op.attrs["serialization"] = node.meta["serialization"]
+
+
 def _saved_state(target, i, node):
     """(shape, dtype) the IPU gives output ``i`` of ``target`` where the traced
     one says nothing of it: a fused LSTM layer's workspace, which oneDNN's
@@ -263,6 +282,22 @@ def _saved_state(target, i, node):
         return None
     x, w_hh = node.args[0].meta["val"], node.args[2].meta["val"]
     return (x.shape[0], x.shape[1], w_hh.shape[0] + w_hh.shape[1]), x.dtype
+
+
+def _group_multiconvs(graph):
+    """Each ``MultiConv`` scope's convolutions, in trace order, become the
+    members of one group of this graph (a copy: a scope object may be
+    traced into several graphs)."""
+    groups = {}
+    for op in graph.ops:
+        group = op.attrs.get("multiconv")
+        if group is not None:
+            groups.setdefault(id(group), (group, []))[1].append(op)
+    for group, ops in groups.values():
+        group.check(len(ops))
+        mine = dataclasses.replace(group, members=ops)
+        for op in ops:
+            op.attrs["multiconv"] = mine
 
 
 def _share_available_memory(graph):
