@@ -30,7 +30,7 @@ from .printing import module_repr, print  # noqa: A004 - PopTorch's poptorch.pri
 from .overlap import set_overlap_for_input, set_overlap_for_output
 from .runtime.executor import PoplarExecutor
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401 - re-exported
 logger = logging.getLogger("poptorchsim")
 
 WRAPPED_ERR = ("Model has already been wrapped in 'poptorch.trainingModel'. Call "
@@ -118,6 +118,20 @@ def _frozen_clone(options):
     clone = options.clone()
     clone._freeze()
     return clone
+
+
+def load(filename, edit_opts_fn=None):
+    """Restores the model, options, optimizer, RNG state and executable that
+    ``compileAndExport`` or ``save`` wrote to ``filename``; the model runs
+    without compiling.  ``edit_opts_fn(options)`` may edit the options first.
+
+    >>> model = poptorch.inferenceModel(model)
+    >>> model.compileAndExport("my_model.poptorch", my_input)
+    >>> model = poptorch.load("my_model.poptorch")
+    >>> model(my_input)
+    """
+    from .runtime import export
+    return export.load(filename, edit_opts_fn, trainingModel, inferenceModel)
 
 
 def setLogLevel(level):

@@ -48,6 +48,13 @@ class BatchDimensionError(Error, AssertionError):
     PopTorch raises ``AssertionError`` here, so this class is both."""
 
 
+class ExecutableFileError(Error, AssertionError):
+    """A file that ``poptorch.load`` or ``loadExecutable`` cannot read.
+
+    PopTorch raises ``AssertionError`` from ``load`` and ``poptorch.Error``
+    from ``loadExecutable``, so this class is both."""
+
+
 class OutOfMemoryError(Error):
     """The compiled program does not fit in a tile's memory."""
 

@@ -340,6 +340,9 @@ class Options(_OptionsDict):
         object.__setattr__(self, "_jit", _JitOptions())
         object.__setattr__(self, "_popart", _PopartOptions())
         object.__setattr__(self, "_execution_strategy", None)   # see execution_strategy
+        cache_dir = os.environ.get("POPTORCH_CACHE_DIR", "")
+        if cache_dir:
+            self.enableExecutableCaching(cache_dir)
         defaults = os.environ.get("POPTORCH_DEFAULT_OPTIONS")
         if defaults:
             self.from_json(defaults)
@@ -475,9 +478,15 @@ class Options(_OptionsDict):
         return self.set(show_compilation_progress_bar=bool(show))
 
     def enableExecutableCaching(self, path):
+        """Keeps compiled executables in the folder ``path`` and loads them
+        from there instead of compiling the same model again (see
+        ``runtime/cache.py`` for what the key covers); None turns it off."""
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise Error(f"enableExecutableCaching expects a folder path (str) or None "
+                        f"(got {type(path)})")
         self._Popart.set("enableEngineCaching", path is not None)
         if path is not None:
-            self._Popart.set("cachePath", str(path))
+            self._Popart.set("cachePath", os.fspath(path))
         return self
 
     def enableSyntheticData(self, enabled):

@@ -7,6 +7,7 @@ engine in PopTorch's layout ``[deviceIterations, gradientAccumulation,
 replicas, micro-batch, ...]`` and returns outputs shaped as PopTorch does for
 the output mode.
 """
+import functools
 import logging
 
 import torch
@@ -17,7 +18,7 @@ from ..capture import optimizers as opt_rules
 from ..errors import Error
 from ..machine.engine import Engine, OutputCollector
 from ..machine.targets import default_target
-from . import compiler
+from . import cache, compiler, export
 from .engine_options import allow_out_of_memory, profiling_directory
 from .inputs import ModelInputs
 from .perf import call_timeline, latency
@@ -115,7 +116,7 @@ class PoplarExecutor:
                         f"step: deviceIterations {di} is not a multiple of the "
                         f"OutputMode.EveryN period {period}.")
 
-    def _compile(self, args, kwargs, leaves, spec, names):
+    def _compile(self, args, kwargs, leaves, spec, names, source=None):
         self._check_output_period()
         di, ga, rf = self._factors()
         self._inputs.check_batch(leaves, di, ga, rf, self._options)
@@ -131,14 +132,14 @@ class PoplarExecutor:
         synthetic = bool(o._values.get("synthetic_data", False))
         strategy = getattr(o, "execution_strategy", None)
         if self._training:
-            compiled = compiler.compile_training(
+            compiled = self._through_cache(source, compiler.compile_training,
                 self._user_model, self._optimizer, micro[0], micro[1], di=di, ga=ga, rf=rf,
                 target=self._target, amp=amp, show_progress=show, allow_oom=allow_oom,
                 out_bytes_fn=out_bytes, synthetic=synthetic, strategy=strategy,
                 auto_round=o.auto_round_num_ipus, locations=o.TensorLocations.settings(),
                 processes=o.Distributed.numProcesses, io_tiles=o.TensorLocations.num_io_tiles)
         else:
-            compiled = compiler.compile_inference(
+            compiled = self._through_cache(source, compiler.compile_inference,
                 self._user_model, micro[0], micro[1], di=di, rf=rf, target=self._target,
                 amp=amp, show_progress=show, allow_oom=allow_oom, out_bytes_fn=out_bytes,
                 synthetic=synthetic, strategy=strategy, auto_round=o.auto_round_num_ipus,
@@ -207,6 +208,32 @@ class PoplarExecutor:
                             for v in leaves if hasattr(v, "meta") and "val" in v.meta)
             return per_micro * copies
         return out_bytes
+
+    def _through_cache(self, source, compile_fn, *args, **kwargs):
+        """``compile_fn(*args, **kwargs)``, or the executable cache's program for
+        them (``cache.py``); ``source``: where ``loadExecutable`` takes it from."""
+        extra = {"output_mode": self._output_mode,
+                 "output_return_period": self._options.output_return_period}
+        self._executable_key = cache.key_for_compiler(self._training, args, kwargs, extra)
+        obtain = source or functools.partial(cache.compile_cached,
+                                             cache.cache_directory(self._options))
+        return obtain(self._executable_key, lambda: compile_fn(*args, **kwargs))
+
+    def compileAndExport(self, filename, *args, export_model=True, **kwargs):
+        """``compile`` for these inputs, then ``save`` to ``filename``."""
+        self.compile(*args, **kwargs)
+        self.save(filename, export_model)
+
+    def save(self, filename, export_model=True, save_rng_state=True):
+        """Writes the executable (and, with ``export_model``, the model, its
+        optimizer and the RNG state) to ``filename`` for ``poptorch.load``."""
+        self._require_compiled()
+        export.save(self, filename, export_model, save_rng_state)
+
+    def loadExecutable(self, filename):
+        """Takes the executable that ``compileAndExport``/``save`` wrote to
+        ``filename``, for a model and options like those it was exported with."""
+        export.load_executable(self, export.read(filename), filename)
 
     def isCompiled(self):
         return self._compiled is not None
