@@ -5,6 +5,8 @@ with torch.fx, lowered to an IPU graph IR, mapped onto a simulated tile array
 and run with PyTorch's own kernels.
 """
 import logging
+import os
+import sys
 import weakref
 
 import torch
@@ -22,6 +24,7 @@ from .errors import (BatchDimensionError, DataDependentError, Error, InputMismat
                      LossError, OutOfMemoryError, RecoverableError, UnrecoverableError,
                      UnsupportedOperationError, createPoptorchError)
 from .ops import identity_loss, ipuHardwareIsAvailable, isRunningOnIpu, set_available_memory
+from .ops import CPU, ipu_print_tensor, ipuHardwareVersion  # docs/observing.md
 from .graph_ops import (Attribute, CustomOp, MultiConv, NameScope, custom_op,
                         dynamic_slice, dynamic_update, nop, register_custom_op,
                         serializedMatMul)
@@ -159,3 +162,43 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
     version = options._values.get("ipu_model_version") if options is not None else None
     return _suggest(model, num_ipus, *example_inputs, optimizer=optimizer,
                     training=training, target=default_target(version))
+
+
+def registerPreCompileHook(hook):
+    """Calls ``hook()`` before every model compilation (hooks run in the
+    order they were registered); ``handle.remove()`` unregisters it."""
+    from .runtime import observe
+    return observe.register_hook(observe.PRE_COMPILE_HOOKS, hook, "Pre")
+
+
+def registerPostCompileHook(hook):
+    """Calls ``hook()`` after every model compilation, also a failed one."""
+    from .runtime import observe
+    return observe.register_hook(observe.POST_COMPILE_HOOKS, hook, "Post")
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is when a record is logged (pytest's
+    capsys and contextlib.redirect_stderr replace it)."""
+
+    def __init__(self):
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+
+def _install_log_handler():
+    """PopTorch's console format for the package's logger, at the level that
+    ``POPTORCH_LOG_LEVEL`` names (WARN by default; a bad name fails the
+    import with setLogLevel's ValueError, as in PopTorch)."""
+    handler = _ConsoleHandler()
+    handler.setFormatter(logging.Formatter(
+        "[%(asctime)s.%(msecs)03d] [poptorch:python] [%(levelname)s] %(message)s",
+        datefmt="%H:%M:%S"))
+    logger.addHandler(handler)
+    setLogLevel(os.environ.get("POPTORCH_LOG_LEVEL", "WARN"))
+
+
+_install_log_handler()

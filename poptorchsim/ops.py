@@ -42,3 +42,71 @@ def isRunningOnIpu():
 def ipuHardwareIsAvailable(num_ipus=1):
     """No hardware here: the IPUs are simulated."""
     return False
+
+
+def ipuHardwareVersion():
+    """The version of the simulated IPU (2 for Mk2, 21 for Bow, 1 for Mk1).
+
+    PopTorch returns the version of the IPU hardware in the system and
+    raises AssertionError "No IPU hardware available on this system" where
+    there is none.  poptorchsim has no hardware (``ipuHardwareIsAvailable()``
+    is False) but always has its simulated target, so programs that pick a
+    version for ``useOfflineIpuTarget(poptorch.ipuHardwareVersion())`` work:
+    it is the target that ``Options()`` compiles for by default
+    (POPTORCHSIM_IPU_MODEL_VERSION, else Mk2).  The 4-tile test IPU is a
+    small Mk2."""
+    from .machine.targets import default_target
+    return _IPU_VERSIONS[default_target(None).name]
+
+
+_IPU_VERSIONS = {"Mk1": 1, "Mk2": 2, "Bow": 21, "IPU-Test": 2}     # Target.name -> version
+
+
+def ipu_print_tensor(tensor, title="", print_gradient=True, summarise_threshold=1000,
+                     edge_items=3, max_line_width=80, digits=4, float_format="auto",
+                     separator=", ", open_bracket="(", close_bracket=")"):
+    """Identity op that prints ``tensor`` every time the graph runs (each
+    micro-batch) and, in training when ``print_gradient``, its gradient in
+    the backward pass (titled ``"<title>_gradient"``).  Printed to stderr,
+    laid out as Poplar's ``PrintTensor`` (``capture/tensor_text.py``); each
+    print costs a device-to-host copy in the cycle estimate.  Use the
+    returned tensor in place of ``tensor``, as in PopTorch."""
+    from .capture.host_ops import traced_print
+    from .capture.tensor_text import check_format_arguments
+    from .errors import Error
+    if not isinstance(tensor, torch.Tensor):
+        raise Error("ipu print tensor must take a torch.tensor argument. "
+                    f"{type(tensor)} is not supported.")
+    check_format_arguments(summarise_threshold, edge_items, max_line_width, digits,
+                           float_format, separator, open_bracket, close_bracket)
+    fmt = (summarise_threshold, edge_items, max_line_width, digits, float_format,
+           separator, open_bracket, close_bracket)
+    return traced_print(tensor, str(title), bool(print_gradient), fmt)
+
+
+class CPU:
+    """PopTorch's ``poptorch.CPU(layer_to_call, ID)``: calling it inside an
+    inference model's ``forward`` runs ``layer_to_call`` on the host in the
+    middle of the graph, with the real values: the device sends the inputs
+    to the host, waits, and receives the outputs (that round trip is in the
+    cycle estimate).  Outside a model (plain PyTorch) it just calls the
+    function.  Training models cannot hold CPU ops, as in PopTorch."""
+
+    def __init__(self, layer_to_call, ID):
+        from .capture.host_ops import HostCallable
+        if isinstance(layer_to_call, torch.nn.Module):
+            layer_to_call.requires_grad_(False)
+        self._layer_to_call = layer_to_call
+        self._ID = ID
+        self._host = HostCallable(layer_to_call, str(ID))
+
+    def __call__(self, *inputs):
+        from .capture import trace
+        from .errors import Error
+        if not trace.is_tracing():
+            return self._layer_to_call(*inputs)
+        if trace.tracing_training():
+            raise Error(f"CPU ops are only supported in inference graphs: the CPU op "
+                        f"{self._ID!r} is called in a trainingModel. Compute it before "
+                        "or after the model, or use an inferenceModel.")
+        return self._host.traced(inputs)

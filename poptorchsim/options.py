@@ -332,6 +332,7 @@ class Options(_OptionsDict):
             available_memory_proportion={},
             broadcast_buffers=True,
             show_compilation_progress_bar=True,
+            anchored_tensors={},        # short name -> [long name, default mode?, mode, period]
         )
         object.__setattr__(self, "_training", _TrainingOptions())
         object.__setattr__(self, "_distributed", _DistributedOptions())
@@ -516,6 +517,43 @@ class Options(_OptionsDict):
         self._check_not_frozen()
         self._values["available_memory_proportion"] = dict(
             available_memory_proportion)
+        return self
+
+    # -- observing (runtime/observe.py) ------------------------------------------------
+    def anchorTensor(self, short_name, long_name, output_mode=None, output_return_period=1):
+        """Returns the tensor ``long_name`` (a name from
+        ``PoplarExecutor.getTensorNames()``, e.g. ``"Gradient___fc2.bias"``)
+        after every call, read with ``getAnchoredTensor(short_name)``.
+        ``output_mode``: which micro-batches' values come back (None: the
+        model's output mode).  Returns None, as PopTorch's does."""
+        self._check_not_frozen()
+        assert isinstance(short_name, str) and isinstance(long_name, str), (
+            "anchorTensor: short_name and long_name must be strings")
+        assert output_mode is None or isinstance(output_mode, enums.OutputMode), (
+            "output_mode must be an instance of poptorch.OutputMode")
+        if output_mode == enums.OutputMode.EveryN:
+            assert isinstance(output_return_period, int) and output_return_period > 0, (
+                "EveryN anchor must have output_return_period set to valid positive "
+                "integer")
+        else:
+            output_return_period = 1
+        self.anchored_tensors[short_name] = [long_name, output_mode is None, output_mode,
+                                             output_return_period]
+
+    def logCycleCount(self, log_cycle_count):
+        """``PoplarExecutor.cycleCount()`` returns the simulated cycles of the
+        last call (logged at DEBUG level after each call)."""
+        assert isinstance(log_cycle_count, bool), "logCycleCount expects a bool"
+        self._Popart.set("instrumentWithHardwareCycleCounter", log_cycle_count)
+        return self
+
+    def updatableNamedBuffers(self, buffers):
+        """The buffers ``PoplarExecutor.copyNamedBuffersToDevice()`` copies
+        from the host model to the device (and no others)."""
+        buffers = list(buffers) if isinstance(buffers, (list, tuple)) else buffers
+        assert isinstance(buffers, list) and all(isinstance(b, str) for b in buffers), (
+            "updatableNamedBuffers expects a list of buffer names (str)")
+        self._Popart.set("updatableNamedBuffers", buffers)
         return self
 
     def from_json(self, string):

@@ -29,6 +29,9 @@ cond            a conditional: the condition's trip to the control program,
 rnn             a fused recurrent layer (popnn's LSTM): the input projection
                 as one matmul, then per time step a matmul and the gates'
                 element-wise work (``machine/cost._rnn_cost``)
+host            the device stops while the host prints a tensor or runs a
+                CPU op (``poptorchsim::ipu_print_tensor``, ``host_call``):
+                bytes over PCIe each way plus the copies' latency
 =============== ============================================================
 
 An ATen operation not named here takes its class from its tags: pointwise
@@ -144,6 +147,9 @@ COST_CLASS = {}
 for _cls, _names in _CLASSES.items():
     for _name in _names.split():
         COST_CLASS.setdefault(_name, _cls)
+# poptorchsim's own ops whose kernels run on the host (capture/host_ops.py)
+HOST_OP_NAMES = ("ipu_print_tensor", "host_call")
+COST_CLASS.update(dict.fromkeys(HOST_OP_NAMES, "host"))
 
 
 def _name(target):

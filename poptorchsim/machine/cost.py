@@ -15,7 +15,9 @@ tile follows the bytes of the result on that tile (an array over tiles):
   element addressed at a time;
 * sorts and scans: log-depth rounds of compare-exchange (sorting networks);
 * views are free; copies cost exchange;
-* a loop pays its body per iteration, a conditional its longer branch.
+* a loop pays its body per iteration, a conditional its longer branch;
+* host ops (a print, a CPU op) pay their tensors' trips over PCIe while the
+  device waits (``OpCost.host``).
 
 Every superstep pays one sync.  A step's cycles are the sum, over its
 supersteps, of the slowest tile.
@@ -58,10 +60,11 @@ class OpCost:
     macs: int = 0
     flops: int = 0
     parts: dict = None          # a loop's or conditional's sub-graphs: name -> [OpCost]
+    host: float = 0.0           # cycles the device waits on the host (host ops)
 
     @property
     def total(self):
-        return self.compute + self.exchange + self.sync
+        return self.compute + self.exchange + self.sync + self.host
 
 
 def _itemsize(t):
@@ -123,6 +126,8 @@ def op_cost(op, target, amp=0.6):
     outs = [t for t in op.outputs if t is not None]
     if cls in ("loop", "cond"):
         return _control_flow_cost(op, target, amp)
+    if cls == "host":
+        return _host_cost(op, target)
     if cls == "view" or not outs:
         return OpCost()
     tiles = target.tiles
@@ -179,6 +184,21 @@ def op_cost(op, target, amp=0.6):
     cost.exchange = _exchange_cycles(out_max, target)
     cost.compute = out_max / _vector_rate(target) + VERTEX_OVERHEAD
     return cost
+
+
+def _host_cost(op, target):
+    """An op the host runs while the device waits (a print, a CPU op): its
+    inputs stream to the host and, for a CPU op, its results stream back,
+    each tensor one host copy (bytes over PCIe plus the copy latency); the
+    device syncs before and after.  A print's result is its input, still on
+    the device: nothing comes back."""
+    ins = op.input_tensors()
+    returns = op.target.overloadpacket.__name__ == "host_call"
+    back = [t for t in op.outputs if t is not None] if returns else []
+    copies = len(ins) + len(back)
+    nbytes = sum(t.nbytes for t in ins) + sum(t.nbytes for t in back)
+    seconds = nbytes / target.host_bytes_per_s + copies * target.host_latency_s
+    return OpCost(sync=2 * target.sync_cycles, host=seconds * target.clock_hz)
 
 
 def _control_flow_cost(op, target, amp):

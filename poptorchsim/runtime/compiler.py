@@ -52,7 +52,7 @@ def _bytes(shapes_dtypes):
 
 
 def _graph_cycles(costs):
-    keys = ("compute", "exchange", "sync")
+    keys = ("compute", "exchange", "sync", "host")     # host: host ops' round trips
     return {k: float(sum(getattr(c, k) for c in costs)) for k in keys}
 
 
@@ -105,7 +105,6 @@ def _estimate(program, costs, target):
     program.schedule = sched
     step_total = sum(step.values()) or 1.0
     total = {k: sched.cycles * calls * v / step_total for k, v in step.items()}
-    total["host"] = 0.0
     if training:
         upd = _graph_cycles(costs["optimizer_update"])
         grad_bytes = program.grad_bytes
@@ -124,7 +123,7 @@ def _estimate(program, costs, target):
     if not program.synthetic_data:
         device_s = sum(total.values()) / target.clock_hz
         host_s += _host_seconds(program.host_streams, device_s, di, ga, target)
-    total["host"] = host_s * target.clock_hz
+    total["host"] += host_s * target.clock_hz       # streams, after host ops' trips
     total["total"] = sum(total.values())
     total["seconds"] = total["total"] / target.clock_hz
     total["bubble"] = sched.bubble

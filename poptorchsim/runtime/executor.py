@@ -18,7 +18,7 @@ from ..capture import optimizers as opt_rules
 from ..errors import Error
 from ..machine.engine import Engine, OutputCollector
 from ..machine.targets import default_target
-from . import cache, compiler, export
+from . import cache, compiler, export, observe
 from .engine_options import allow_out_of_memory, profiling_directory
 from .inputs import ModelInputs
 from .perf import call_timeline, latency
@@ -69,6 +69,7 @@ class PoplarExecutor:
         if mode == enums.OutputMode.Default:
             mode = enums.OutputMode.Final if training else enums.OutputMode.All
         self._output_mode = mode
+        self._observe = observe.Observation(options, mode)    # anchors, cycle count
 
     # -- properties PopTorch has ------------------------------------------------
     @property
@@ -100,7 +101,8 @@ class PoplarExecutor:
         if self._compiled is not None:
             logger.warning("Call to compile() ignored: the executable is already compiled")
             return
-        self._compile(*self._inputs.prepare(args, kwargs))
+        with observe.compile_hooks():
+            self._compile(*self._inputs.prepare(args, kwargs))
 
     def _check_output_period(self):
         di = self._options.device_iterations
@@ -118,6 +120,7 @@ class PoplarExecutor:
 
     def _compile(self, args, kwargs, leaves, spec, names, source=None):
         self._check_output_period()
+        self._observe.check(self._user_model)
         di, ga, rf = self._factors()
         self._inputs.check_batch(leaves, di, ga, rf, self._options)
         factor = di * ga * rf
@@ -171,6 +174,7 @@ class PoplarExecutor:
         self._inputs.input_writes = step.input_writes
         self._engine = Engine(compiled.step_fn, compiled.update_fn, self._shard_index(),
                               n_writes=len(step.input_writes))
+        self._observe.attach(compiled, self._engine)
         group = self._weights.group = self._process_group()   # training in several processes
         if group is not None:
             self._engine.reduce = group.all_reduce_sum
@@ -243,6 +247,21 @@ class PoplarExecutor:
         self._require_compiled()
         return self._compiled.program
 
+    def getTensorNames(self):
+        """Names ``Options.anchorTensor`` accepts: the IR's, plus
+        ``Gradient___<param>`` and ``UpdatedVar___<param>`` in training."""
+        assert self._compiled is not None, \
+            "Model must be compiled before calling getTensorNames"
+        return observe.tensor_names(self._compiled)
+
+    def getAnchoredTensor(self, short_name):
+        """The value of anchor ``short_name`` after the last call."""
+        return self._observe.anchored(short_name)
+
+    def cycleCount(self):
+        """Simulated cycles of the last call (needs ``Options.logCycleCount(True)``)."""
+        return observe.cycle_count(self._options, self._compiled, self._observe.has_run)
+
     def _debugGetPopartIR(self):
         return str(self.getIR())
 
@@ -269,6 +288,14 @@ class PoplarExecutor:
 
     def _upload(self, keep_optimizer_state=False):
         self._weights.upload(self._compiled, self._optimizer, keep_optimizer_state)
+
+    def copyNamedBuffersToDevice(self):
+        """Host -> device: only the buffers named in ``Options.updatableNamedBuffers``."""
+        self._require_compiled()
+        names = observe.updatable_buffers(self._options)
+        if names is None:
+            raise Error(observe.NO_UPDATABLE_BUFFERS)
+        self._weights.upload_buffers(self._compiled, names)
 
     def _load_optimizer_state(self):
         self._weights.load_optimizer_state(self._compiled, self._optimizer)
@@ -321,8 +348,8 @@ class PoplarExecutor:
         self._require_compiled()
         if not self._attached:
             raise Error("Device is not attached")
-        if self._training:
-            self.copyWeightsToHost()
+        if self._training:      # the weights are on the host after every call
+            self._weights.optimizer_state_to_host(self._compiled, self._optimizer)
         self._attached = False
 
     def isAttachedToDevice(self):
@@ -332,9 +359,12 @@ class PoplarExecutor:
         return not self._destroyed
 
     def destroy(self):
-        """Copies weights back (training), drops the executable, unwraps the model."""
+        """Copies the optimizer state back (training), drops the executable,
+        unwraps the model.  The weights are not copied: every training call
+        has already left them in the user's model, and copying again would
+        overwrite weights the user changed since."""
         if self._compiled is not None and self._training and self._attached:
-            self.copyWeightsToHost()
+            self._weights.optimizer_state_to_host(self._compiled, self._optimizer)
         self._compiled = None
         self._attached = False
         self._destroyed = True
@@ -418,7 +448,8 @@ class PoplarExecutor:
                 "model.compile(inputs) instead of model(inputs)")
         prepared = self._inputs.prepare(args, kwargs)
         if self._compiled is None:
-            self._compile(*prepared)
+            with observe.compile_hooks():
+                self._compile(*prepared)
         _, _, leaves, spec, names = prepared
         self._inputs.validate(leaves, spec, names)
         if not self._attached:
@@ -430,6 +461,7 @@ class PoplarExecutor:
         mode = self._output_mode
         collector = OutputCollector(mode.name, self._options.output_return_period, di, ga, rf)
         self._record_perf(len(inputs), di, ga, rf)
+        self._observe.start(di, ga, rf)
         if self._training:
             result = self._engine.run_training(self._state, inputs, collector, di, ga, rf)
             self._weights.download(self._compiled, fresh=False)
@@ -437,6 +469,7 @@ class PoplarExecutor:
             result = self._engine.run_inference(self._state.params, self._state.buffers,
                                                 inputs, collector, di, rf)
         self._inputs.write_back(self._engine.written)
+        self._observe.finish(self._compiled)
         return self._assemble(result)
 
     def _assemble(self, rows):

@@ -29,6 +29,7 @@ def build_report(compiled, name, samples_per_call):
                 "graph": gname, "name": op.name, "op": str(op.target),
                 "class": op.cost_class, "shape": list(out.shape) if out is not None else [],
                 "compute": cost.compute, "exchange": cost.exchange, "sync": cost.sync,
+                "host": cost.host,
                 "cycles": cost.total, "calls_per_call": times,
                 "cycles_per_call": cost.total * times,
                 "macs": int(cost.macs), "flops": int(cost.flops),

@@ -81,6 +81,17 @@ class DeviceWeights:
         self.uploaded_version = getattr(self.model, "_poptorchsim_version", 0)
         self._host_tensors = (host_params, host_buffers)
 
+    def upload_buffers(self, compiled, names):
+        """Host -> device: the buffers ``names`` alone, on every replica
+        (``copyNamedBuffersToDevice``); weights, other buffers and the
+        optimizer state stay as the device has them."""
+        order = compiled.capture.buffer_names
+        host = dict(self.model.named_buffers())
+        for name in names:
+            value = host[name].detach()
+            for replica in self.state.buffers:
+                replica[order.index(name)] = value.clone()
+
     def load_optimizer_state(self, compiled, optimizer):
         c = compiled
         st = self.state
