@@ -341,3 +341,12 @@ def test_log_level_from_the_environment():
     assert warn.returncode == 0 and "a debug line" not in warn.stderr
     bad = _import_with_log_level("LOUD")
     assert bad.returncode != 0 and "Unknown log level: LOUD" in bad.stderr
+
+
+def test_updated_weight_anchor_follows_a_new_optimizer():
+    opts = quiet_options()
+    opts.anchorTensor("w", "UpdatedVar___fc2.weight")
+    pm, _, [(x, t)] = _classifier_run(opts)
+    pm.setOptimizer(poptorch.optim.Adam(pm.model.parameters(), lr=0.1))   # a new update graph
+    pm(x, t)
+    torch.testing.assert_close(pm.getAnchoredTensor("w"), pm.model.fc2.weight.detach())

@@ -328,6 +328,7 @@ class PoplarExecutor:
                                     allow_oom=allow_out_of_memory(o))
             self._engine.update_fn = self._compiled.update_fn
             self._engine.shards = self._shard_index()
+            self._observe.attach(self._compiled, self._engine)   # anchors read the new update
             self._load_optimizer_state()
         elif new_object:
             self._load_optimizer_state()
