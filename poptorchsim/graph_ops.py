@@ -356,7 +356,7 @@ class MultiConv:
         self._per_conv_reserved_tiles = None
         self._cycle_back_off = None
         self._enable_conv_ditherings = None
-        self._scope = None
+        self._scope = self._current = None
 
     @staticmethod
     def _per_conv(name, value, scalar_type):
@@ -439,9 +439,12 @@ class MultiConv:
         return group
 
     def __enter__(self):
-        self._scope = _scopes.scope(_scopes.MULTICONV, self._group())
+        self._current = self._group()
+        self._scope = _scopes.scope(_scopes.MULTICONV, self._current)
         self._scope.__enter__()
 
     def __exit__(self, exc_type, exc, tb):
+        # as in PopTorch, the options in force when the scope closes apply
+        vars(self._current).update(vars(self._group()))
         self._scope.__exit__(exc_type, exc, tb)
         return False

@@ -23,6 +23,7 @@ Every superstep pays one sync.  A step's cycles are the sum, over its
 supersteps, of the slowest tile.
 """
 from dataclasses import dataclass
+from dataclasses import replace as _replace
 
 import numpy as np
 
@@ -313,16 +314,18 @@ OUTPUT_GRAIN = 16               # output elements kept together on one tile
 
 
 def _plan_matmul(op, target, amp, outs, item, cost):
-    """Matmul/convolution ``op`` on the AMP units (``_matmul_on_tiles``)."""
-    macs, _ = _macs(op)
-    k_ch, o_ch = _channels(op)
-    extra = EXTRA_SUPERSTEPS.get(op.target.overloadpacket.__name__, DEFAULT_EXTRA_SUPERSTEPS)
-    return _matmul_on_tiles(macs, k_ch, o_ch, [t.nbytes for t in op.input_tensors()],
-                            sum(t.numel for t in outs), item, extra, target, amp, cost)
+    """Matmul/convolution ``op`` on the AMP units (``_matmul_on_tiles``); a
+    convolution of a ``MultiConv`` with its group (``_multiconv_cost``), a
+    ``serializedMatMul`` in pieces (``_serialized_matmul``)."""
+    if op.attrs.get("multiconv") is not None:
+        return _multiconv_cost(op, op.attrs["multiconv"], target, amp, item)
+    if op.attrs.get("serialization") is not None:
+        return _serialized_matmul(op, op.attrs["serialization"], target, amp, outs, item, cost)
+    return _plan_matmul_plain(op, target, amp, outs, item, cost)
 
 
 def _matmul_on_tiles(macs, k_ch, o_ch, operand_bytes, out_elems, item, extra, target, amp,
-                     cost):
+                     cost, partial_item=None, min_serial=1):
     """A matmul of ``macs`` multiply-accumulates spread over P tiles, splitting
     output and reduction.
 
@@ -348,18 +351,136 @@ def _matmul_on_tiles(macs, k_ch, o_ch, operand_bytes, out_elems, item, extra, ta
     operands = sorted(operand_bytes, reverse=True)
     recv = float(sum(operands[1:])) / np.sqrt(p)
     limit = amp * target.bytes_per_tile
-    serial = max(1, int(np.ceil(recv / limit)))
+    serial = max(min_serial, int(np.ceil(recv / limit)))
     cost.macs, cost.flops = macs, 2 * macs
     cost.compute = macs / p / rate + VERTEX_OVERHEAD * (serial + extra)
     cost.exchange = _exchange_cycles(recv, target)
     cost.sync = target.sync_cycles * (serial + extra)
     if r > 1:
-        partial_bytes = out_elems * item / p_out * r
+        partial_bytes = out_elems * (partial_item or item) / p_out * r
         cost.exchange += _exchange_cycles(partial_bytes, target)
         cost.compute += partial_bytes / _vector_rate(target) + VERTEX_OVERHEAD
         cost.sync += target.sync_cycles
     temp = np.zeros(tiles)
     temp[:p] = recv / serial
+    cost.temp_bytes = temp
+    return cost
+
+
+_SERIALIZABLE = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}
+
+
+def _serialized_matmul(op, serialization, target, amp, outs, item, cost):
+    """A ``serializedMatMul``: ``factor`` matmuls one after the other, each
+    on a slice of the split dimension (PopART's serialization): the rows of
+    the left operand (input channels), the reduction (reducing dim: each
+    piece then adds its partial result into an accumulator, float32 with
+    ``keep_precision``) or the columns of the right operand (output
+    channels).  Each piece's operands are 1/factor of the split ones, so
+    its temporary buffers shrink; every piece pays its own supersteps."""
+    mode, factor, keep_precision = serialization
+    name = op.target.overloadpacket.__name__
+    if name not in _SERIALIZABLE or factor <= 1:
+        return _plan_matmul_plain(op, target, amp, outs, item, cost)
+    lhs, rhs = (op.args[i] for i in _SERIALIZABLE[name])
+    macs, _ = _macs(op)
+    k_ch, o_ch = _channels(op)
+    out_elems = sum(t.numel for t in outs)
+    lhs_b, rhs_b = lhs.nbytes, rhs.nbytes
+    if mode == "input_channels":
+        lhs_b, out_elems = lhs_b / factor, out_elems / factor
+    elif mode == "reducing_dim":
+        lhs_b, rhs_b, k_ch = lhs_b / factor, rhs_b / factor, k_ch / factor
+    else:
+        rhs_b, out_elems, o_ch = rhs_b / factor, out_elems / factor, o_ch / factor
+    extra = EXTRA_SUPERSTEPS.get(name, DEFAULT_EXTRA_SUPERSTEPS)
+    piece = _matmul_on_tiles(macs / factor, k_ch, o_ch, [lhs_b, rhs_b], int(out_elems), item,
+                             extra, target, amp, OpCost())
+    cost.macs, cost.flops = macs, 2 * macs
+    cost.compute, cost.exchange = piece.compute * factor, piece.exchange * factor
+    cost.sync = piece.sync * factor
+    cost.temp_bytes = piece.temp_bytes
+    if mode == "reducing_dim":
+        partial = 4 if keep_precision else item
+        acc = sum(t.numel for t in outs) * partial / target.tiles
+        cost.compute += (factor - 1) * (acc / _vector_rate(target) + VERTEX_OVERHEAD)
+        cost.temp_bytes = piece.temp_bytes + acc
+    return cost
+
+
+def _plan_matmul_plain(op, target, amp, outs, item, cost):
+    macs, _ = _macs(op)
+    k_ch, o_ch = _channels(op)
+    extra = EXTRA_SUPERSTEPS.get(op.target.overloadpacket.__name__, DEFAULT_EXTRA_SUPERSTEPS)
+    return _matmul_on_tiles(macs, k_ch, o_ch, [t.nbytes for t in op.input_tensors()],
+                            sum(t.numel for t in outs), item, extra, target, amp, cost)
+
+
+def _conv_plan(op, target, amp, item, partial_item, back_off):
+    """One convolution of a ``MultiConv`` on ``target``'s tiles: the fastest
+    plan, or, within ``back_off`` (a proportion) of its cycles, the plan
+    with the least temporary memory (more serial chunks)."""
+    macs, _ = _macs(op)
+    k_ch, o_ch = _channels(op)
+    extra = EXTRA_SUPERSTEPS.get(op.target.overloadpacket.__name__, DEFAULT_EXTRA_SUPERSTEPS)
+    outs = [t for t in op.outputs if t is not None]
+    args = (macs, k_ch, o_ch, [t.nbytes for t in op.input_tensors()],
+            sum(t.numel for t in outs), item, extra, target, amp)
+    best = fastest = _matmul_on_tiles(*args, OpCost(), partial_item)
+    for chunks in (2, 4, 8, 16):
+        plan = _matmul_on_tiles(*args, OpCost(), partial_item, min_serial=chunks)
+        if plan.total <= fastest.total * (1 + back_off) and \
+                np.max(plan.temp_bytes) < np.max(best.temp_bytes):
+            best = plan
+    return best
+
+
+def _multiconv_cost(op, group, target, amp, item):
+    """A convolution of a ``MultiConv`` (``ir.multiconv.MultiConvGroup``).
+
+    Serial plan: one convolution after another, each planned alone.
+    Parallel plan: one compute set; each convolution gets its reserved
+    tiles plus a share of the rest in proportion to its work, and the
+    group's supersteps take as long as its slowest member's (syncs paid
+    once).  The group's cycles are shared among its ops in proportion to
+    their own.  Per-convolution options: available memory, partials type
+    (half partials halve the partial sums exchanged), dithering (the
+    temporary buffers start on another tile)."""
+    members, k = group.members, group.members.index(op)
+    n, tiles = len(members), target.tiles
+
+    def plan(i, tgt):
+        m = members[i]
+        a = group.option("available_memory", i) or m.available_memory or amp
+        partial = 2 if group.option("partials", i) == "half" else None
+        return _conv_plan(m, tgt, a, item, partial, group.cycle_back_off)
+
+    if group.plan == "serial" or n == 1:
+        own = plan(k, target)
+        if group.option("dithering", k):
+            own.temp_bytes = np.roll(own.temp_bytes, k * tiles // n + tiles // (2 * n))
+        return own
+    work = np.array([_macs(m)[0] for m in members], dtype=float)
+    spare = tiles - n * group.reserved_tiles
+    if spare < 0:
+        from ..errors import Error
+        raise Error(f"MultiConv: {n} convolutions with {group.reserved_tiles} reserved tiles "
+                    f"each need {n * group.reserved_tiles} tiles; the IPU has {tiles}. Lower "
+                    "perConvReservedTiles or use MultiConvPlanType.Serial.")
+    shares = group.reserved_tiles + np.floor(spare * work / max(work.sum(), 1.0)).astype(int)
+    shares = np.maximum(shares, 1)
+    costs = [plan(i, _replace(target, tiles=int(shares[i]))) for i in range(n)]
+    weight = costs[k].total / max(sum(c.total for c in costs), 1e-9)
+    cost = OpCost(compute=max(c.compute for c in costs) * weight,
+                  exchange=max(c.exchange for c in costs) * weight,
+                  sync=max(c.sync for c in costs) * weight,
+                  macs=costs[k].macs, flops=costs[k].flops)
+    own = np.asarray(costs[k].temp_bytes, dtype=float)
+    if group.option("dithering", k):
+        own = np.roll(own, int(shares[k]) // 2)
+    temp = np.zeros(tiles)
+    start = int(shares[:k].sum())
+    temp[start:start + own.size] = own[:tiles - start]
     cost.temp_bytes = temp
     return cost
 
