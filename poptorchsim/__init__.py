@@ -64,12 +64,45 @@ def trainingModel(model, options=None, optimizer=None):
         optimizer = optim.SGD(model.parameters(), lr=0.01)
     from .capture.optimizers import optimizer_kind
     optimizer_kind(optimizer)
+    _check_optimizer_params(model, optimizer)
     options._freeze()
     executor = PoplarExecutor(model, _frozen_clone(options), training=True,
                               optimizer=optimizer)
-    model._poptorchsim_wrapper = weakref.ref(executor)
+    model._poptorchsim_wrapper = _WrapperRef(executor)
     model.destroy = _Destroy(model._poptorchsim_wrapper)
     return executor
+
+
+class _WrapperRef:
+    """The training executor wrapping a model, held weakly.  A pickled model
+    (``torch.save(model)``) keeps no wrapper: it loads unwrapped."""
+
+    def __init__(self, executor=None):
+        self._ref = weakref.ref(executor) if executor is not None else None
+
+    def __call__(self):
+        return self._ref() if self._ref is not None else None
+
+    def __reduce__(self):
+        return (_WrapperRef, ())
+
+
+def _check_optimizer_params(model, optimizer):
+    """Every tensor the optimizer updates is a parameter of the model: the
+    simulator (as PopTorch) trains the model's parameters, so an optimizer
+    made from another module's would leave the weights unchanged."""
+    own = {id(p) for p in model.parameters()}
+    for k, group in enumerate(optimizer.param_groups):
+        strangers = [p for p in group["params"] if id(p) not in own]
+        if strangers:
+            shapes = ", ".join(str(list(p.shape)) for p in strangers[:3])
+            raise Error(
+                f"The optimizer's parameter group {k} holds {len(strangers)} tensor(s) that "
+                f"are not parameters of the model being wrapped (shapes {shapes}"
+                f"{', ...' if len(strangers) > 3 else ''}), so they would never be "
+                "trained. Create the optimizer from the wrapped model's parameters: "
+                "optimizer = poptorch.optim.SGD(model.parameters(), lr=...), then "
+                "poptorch.trainingModel(model, options, optimizer).")
 
 
 def _wrapper_of(model):
@@ -98,6 +131,9 @@ class _Destroy:
 
     def __deepcopy__(self, memo):
         return self
+
+    def __reduce__(self):
+        return (_Destroy, (_WrapperRef(),))
 
 
 def inferenceModel(model, options=None):

@@ -38,7 +38,11 @@ class _OptionsDict:
 
     def _check_not_frozen(self):
         if self._frozen:
-            raise AttributeError(FROZEN_MESSAGE)
+            raise AttributeError(
+                f"{FROZEN_MESSAGE}: trainingModel, inferenceModel and DataLoader freeze "
+                "the Options they are given. Set options before wrapping, or change a "
+                "copy (options.clone() is unfrozen) and wrap the model again; a wrapped "
+                "model's own options are model.options, also frozen.")
 
     def __setattr__(self, name, value):
         self._check_not_frozen()
@@ -82,7 +86,15 @@ class _OptionsDict:
         values = object.__getattribute__(self, "_values")
         if name in values:
             return values[name]
-        raise AttributeError(f"Invalid attribute {name}.")
+        raise AttributeError(f"Invalid attribute {name}.{self._did_you_mean(name)}")
+
+    def _did_you_mean(self, name):
+        """" Did you mean X?" for the closest setter or option name, if any."""
+        import difflib
+        known = [n for n in dir(type(self)) if not n.startswith("_")]
+        known += list(object.__getattribute__(self, "_values"))
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        return f" Did you mean {close[0]}?" if close else ""
 
     def __deepcopy__(self, memo):
         clone = self.__class__.__new__(self.__class__)

@@ -593,7 +593,8 @@ class TwoInputs(nn.Module):
 
 def test_missing_mandatory_parameter():
     inference_model = poptorchsim.inferenceModel(TwoInputs(), quiet_options())
-    with pytest.raises(poptorchsim.Error, match="Mandatory parameter y missing"):
+    with pytest.raises(poptorchsim.Error, match=r"Mandatory parameter y missing: "
+                       r"TwoInputs.forward\(x, y\) needs it; pass it positionally or as y="):
         inference_model(torch.randn(4, 6))
 
 
@@ -735,3 +736,75 @@ def test_compilation_time_with_progress_bar():
     inference_model = poptorchsim.inferenceModel(nn.Linear(6, 4), opts)
     inference_model(torch.randn(4, 6))
     assert isinstance(inference_model.compilationTime(), datetime.timedelta)
+
+
+# ---------------------------------------------------------------------------
+# Semantics PopTorch users rely on, and errors that say how to fix them
+# ---------------------------------------------------------------------------
+def test_destroy_keeps_weights_the_user_changed_after_training():
+    model = ClassifierWithLoss()
+    opt = sgd(model)
+    tm = poptorchsim.trainingModel(model, quiet_options(), opt)
+    tm(*classification_batch(8))
+    model.fc1.weight = nn.Parameter(torch.full_like(model.fc1.weight, 7.0))
+    with torch.no_grad():
+        model.fc2.bias.fill_(-3.0)
+    tm.destroy()
+    assert torch.all(model.fc1.weight == 7.0) and torch.all(model.fc2.bias == -3.0)
+    # the optimizer state still comes back (momentum after one step)
+    assert opt.state[model.fc2.weight]["momentum_buffer"].abs().sum() > 0
+
+
+def test_a_wrapped_model_can_be_saved_and_loads_unwrapped(tmp_path):
+    model = ClassifierWithLoss()
+    tm = poptorchsim.trainingModel(model, quiet_options(), sgd(model))
+    tm(*classification_batch(8))
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    loaded = torch.load(path, weights_only=False)
+    assert_state_close(loaded, model, rtol=0, atol=0)
+    with pytest.raises(poptorchsim.Error, match="model was never wrapped"):
+        loaded.destroy()
+    again = poptorchsim.trainingModel(loaded, quiet_options(), sgd(loaded))   # not wrapped
+    again(*classification_batch(8))
+    copy.deepcopy(model)                      # the wrapped original still copies
+
+
+def test_an_optimizer_over_other_parameters_is_refused():
+    model, other = ClassifierWithLoss(), ClassifierWithLoss()
+    before = snapshot(model)
+    opts = quiet_options()
+    with pytest.raises(poptorchsim.Error, match=r"parameter group 0 holds 4 tensor\(s\) that "
+                       r"are not parameters of the model.*model.parameters\(\)"):
+        poptorchsim.trainingModel(model, opts, sgd(other))
+    assert_unchanged(model, before)
+    opts.deviceIterations(1)                  # the options were not frozen
+    poptorchsim.trainingModel(model, opts, sgd(model))(*classification_batch(8))
+
+
+def test_inputs_that_require_grad_are_refused_as_poptorch_does():
+    model = ClassifierWithLoss()
+    before = snapshot(model)
+    tm = poptorchsim.trainingModel(model, quiet_options(), sgd(model))
+    x, y = classification_batch(8)
+    with pytest.raises(poptorchsim.Error, match="An input tensor to an IPU model can not have "
+                       "requires_grad set to True, however input 0 does"):
+        tm(x.requires_grad_(), y)
+    assert_unchanged(model, before)
+    assert not tm.isCompiled()
+    tm(x.detach(), y)
+
+
+def test_option_errors_say_how_to_fix_them():
+    opts = quiet_options()
+    poptorchsim.inferenceModel(nn.Linear(2, 2), opts)
+    with pytest.raises(AttributeError, match=r"Can't modify frozen Options: .*options.clone\(\)"):
+        opts.deviceIterations(2)
+    with pytest.raises(AttributeError, match=r"Invalid attribute deviceIteration\. Did you mean "
+                       r"deviceIterations\?"):
+        poptorchsim.Options().deviceIteration(2)
+    with pytest.raises(AttributeError, match=r"gradientAcumulation\. Did you mean "
+                       r"gradientAccumulation\?"):
+        poptorchsim.Options().Training.gradientAcumulation(2)
+    with pytest.raises(AttributeError, match=r"Invalid attribute zzz\.$"):
+        poptorchsim.Options().zzz()

@@ -25,9 +25,9 @@ class Layers(nn.Module):
         for i, layer in enumerate(self.layers):
             with poptorch.Block(f"L{i}"):
                 x = torch.relu(layer(x))
-        with poptorch.Block(f"L{DEPTH - 1}"):
+        with poptorch.Block(f"L{DEPTH - 1}"):      # every op in a Block, as PopTorch needs
             out = self.head(x)
-        return out, self.loss(out, labels)
+            return out, self.loss(out, labels)
 
 
 def serial(**liveness):

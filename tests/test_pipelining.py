@@ -1,5 +1,6 @@
 """Pipelining and sharding: rules, numerics, per-IPU memory, schedule, auto-split."""
 import copy
+import logging
 
 import pytest
 import torch
@@ -72,17 +73,35 @@ def test_inference_needs_device_iterations_of_n():
     assert ok(batch(8)[0]).shape == (8, 4)
 
 
-def test_ipu_count_must_be_a_power_of_two_unless_rounding():
-    model = Chain(ipus=(0, 1, 2, 2))                        # 3 IPUs
-    tm = poptorch.trainingModel(model, opts(ga=5), torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(poptorch.Error, match="The model specifies the use of 3 IPUs, however "
-                       "PopTorch must reserve a minimum of 4"):
-        tm(*batch(10))
-    model = Chain(ipus=(0, 1, 2, 2))
-    o = opts(ga=5).autoRoundNumIPUs(True)
-    tm = poptorch.trainingModel(model, o, torch.optim.SGD(model.parameters(), lr=0.1))
-    tm(*batch(10))
-    assert tm.getIR().n_ipus == 3
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_ipu_count_that_hardware_rounds_up_runs_with_a_warning():
+    """PopTorch refuses 3 IPUs only on hardware (it reserves powers of 2);
+    the IPU Model and offline targets compile them, as the simulator does,
+    saying what hardware would need."""
+    records = _Records()
+    logging.getLogger("poptorchsim").addHandler(records)
+    try:
+        for rounding in (False, True):
+            model = Chain(ipus=(0, 1, 2, 2))                 # 3 IPUs
+            o = opts(ga=5).autoRoundNumIPUs(rounding)
+            tm = poptorch.trainingModel(model, o,
+                                        torch.optim.SGD(model.parameters(), lr=0.1))
+            tm(*batch(10))
+            assert tm.getIR().n_ipus == 3
+    finally:
+        logging.getLogger("poptorchsim").removeHandler(records)
+    assert any("on IPU hardware PopTorch must reserve a minimum of 4" in m and
+               "autoRoundNumIPUs(True)" in m for m in records.messages)
+    assert any("Reserving 4 IPUs when the model specifies the use of only 3" in m
+               for m in records.messages)
 
 
 def test_too_many_ipus():
@@ -295,3 +314,29 @@ def test_inference_with_accumulation_points_to_device_iterations():
     with pytest.raises(poptorch.Error) as info:
         poptorch.inferenceModel(Chain(), opts(ga=2, strategy=poptorch.ShardedExecution()))
     assert "pipelined execution" not in str(info.value)
+
+
+def test_ops_after_a_closed_block_scope_raise_no_active_block():
+    """After a ``with Block`` scope closes no IPU is active until the next
+    block begins (PopTorch's pipelining_test.py::test_missing_block)."""
+    class Model(nn.Module):
+        def forward(self, x):
+            poptorch.Block.useAutoId()
+            with poptorch.Block(ipu_id=0):
+                x = x * 4
+            return x * 4
+
+    o = poptorch.Options().showCompilationProgressBar(False).deviceIterations(2)
+    o.setExecutionStrategy(poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement))
+    m = poptorch.inferenceModel(Model(), o)
+    with pytest.raises(poptorch.Error, match="No active Block, all the ops must belong to a "
+                       r"Block: aten.mul.Tensor .*test_pipelining.py.* Move it into a Block"):
+        m.compile(torch.randn(2, 5))
+    # ops before the first block run on IPU 0, as in PopTorch
+    class Late(nn.Module):
+        def forward(self, x):
+            x = x * 2
+            with poptorch.Block("B", ipu_id=0):
+                return x + 1
+    out = poptorch.inferenceModel(Late(), poptorch.Options().showCompilationProgressBar(False))
+    torch.testing.assert_close(out(torch.ones(2)), torch.full((2,), 3.0))

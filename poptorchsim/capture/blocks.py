@@ -16,6 +16,10 @@ from torch.overrides import TorchFunctionMode
 
 _state = threading.local()
 
+# The block of ops traced after a ``with Block`` scope has closed and before
+# another block begins: PopTorch has no active IPU there and refuses them.
+NO_ACTIVE_BLOCK = ("<no active block>", None)
+
 
 def _log():
     return getattr(_state, "blocks", None)
@@ -38,7 +42,7 @@ def enter_block(user_id, ipu_id, inputs=()):
     previous = custom.get("block")
     custom["block"] = (None if user_id is None else str(user_id), ipu_id)
     log.append(custom["block"])
-    if previous is not None and previous != custom["block"]:
+    if previous not in (None, NO_ACTIVE_BLOCK) and previous != custom["block"]:
         for t in inputs:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(_switch_to(previous))
@@ -58,25 +62,25 @@ def begin_backward():
     if log is not None:
         custom = fx_traceback.current_meta.setdefault("custom", {})
         custom["backward"] = True
-        if custom.get("block") is None and log:
+        if custom.get("block") in (None, NO_ACTIVE_BLOCK) and log:
             custom["block"] = log[-1]
 
 
 def leave_block(previous):
-    """Restores ``previous`` (the value ``current_block`` returned)."""
+    """Restores ``previous`` (the value ``current_block`` returned); where no
+    block was active before the scope, none is now (``NO_ACTIVE_BLOCK``)."""
     if _log() is None:
         return
     custom = fx_traceback.current_meta.setdefault("custom", {})
-    if previous is None:
-        custom.pop("block", None)
-    else:
-        custom["block"] = previous
+    custom["block"] = NO_ACTIVE_BLOCK if previous is None else previous
 
 
 def current_block():
+    """The active block, or None (none begun yet, or the last scope closed)."""
     if _log() is None:
         return None
-    return fx_traceback.current_meta.get("custom", {}).get("block")
+    block = fx_traceback.current_meta.get("custom", {}).get("block")
+    return None if block == NO_ACTIVE_BLOCK else block
 
 
 class _BlockCrossings(TorchFunctionMode):
@@ -94,6 +98,8 @@ class _BlockCrossings(TorchFunctionMode):
         kwargs = kwargs or {}
         custom = fx_traceback.current_meta.get("custom", {})
         block = custom.get("block")
+        if block == NO_ACTIVE_BLOCK:
+            block = None
         if block is not None and not custom.get("backward"):
             for t in pytree.tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor) and t.requires_grad:

@@ -100,7 +100,9 @@ def bind_inputs(module, args, kwargs):
                              f"({len(names)}) but got {len(args)}")
     for i, p in enumerate(params):
         if i >= len(args) and p.name not in kwargs and p.default is p.empty:
-            raise Error(f"Mandatory parameter {p.name} missing")
+            raise Error(f"Mandatory parameter {p.name} missing: "
+                        f"{type(module).__name__}.forward{sig} needs it; pass it "
+                        f"positionally or as {p.name}=...")
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:

@@ -22,8 +22,9 @@ from collections import OrderedDict
 import torch
 import torch.utils._pytree as pytree
 
+from ..capture.blocks import NO_ACTIVE_BLOCK
 from ..capture.control_flow import MARKERS, OPS as FLOW
-from ..errors import UnsupportedOperationError
+from ..errors import Error, UnsupportedOperationError
 from ..ir.graph import Graph, Op, Tensor
 from ..ir.ops import COND, LOOP, cost_class, is_inplace, unsupported_reason
 from ..ir.verify import verify_graph
@@ -56,6 +57,10 @@ def _unsupported(node, target):
         if any(isinstance(v, torch.Tensor) and v.is_complex() for v in vals):
             why = "complex tensors: the IPU has no complex number types"
     return why
+
+
+class NoActiveBlockError(Error):
+    """An op traced where no pipeline block is active (PopTorch's text)."""
 
 
 class _Scope:
@@ -155,6 +160,16 @@ def lower(gm, name, roles, n_model_outputs=0):
                 continue
             cls = cost_class(target)
             val = node.meta.get("val")
+            if node.meta.get("custom", {}).get("block") == NO_ACTIVE_BLOCK \
+                    and not node.meta.get("custom", {}).get("backward"):
+                where = _where(node)
+                raise NoActiveBlockError(
+                    "No active Block, all the ops must belong to a Block: "
+                    f"{target}{' (' + where + ')' if where else ''} runs after a "
+                    "`with poptorch.Block(...)` scope (or a BlockFunction) has closed and "
+                    "before another block begins. Move it into a Block, or start blocks "
+                    "with poptorch.BeginBlock(module) or poptorch.Block.start(), which "
+                    "stay active until the next block.")
             if val is None and not node.users:
                 continue      # a check with no result (aten._linalg_check_errors)
             op = Op(len(graph.ops), node.name, target, arg(tuple(node.args)),

@@ -21,7 +21,7 @@ from ..machine.cost import op_cost
 from ..machine.engine import compile_graph
 from ..machine.targets import with_io_tiles
 from ..passes import locations as tensor_locations
-from ..passes.lower import lower
+from ..passes.lower import NoActiveBlockError, lower
 from ..passes.memory import check_fits, plan_memory
 from ..passes.pipeline import input_ipus
 from ..passes.tile_mapping import map_graph
@@ -527,15 +527,16 @@ def _training_main(program):
 
 def _lower_model(capture, name, recapture):
     """The model's graph lowered.  When it holds operations the IPU cannot
-    run, the model is traced again recording stack traces, so the error names
-    the line of the model behind each operation (tracing is faster without)."""
+    run (or ops outside any pipeline block), the model is traced again
+    recording stack traces, so the error names the line of the model behind
+    each operation (tracing is faster without)."""
     roles = ([(n, "param") for n in capture.param_names]
              + [(n, "buffer") for n in capture.buffer_names]
              + [(f"input{i}", "input") for i in range(len(capture.example_inputs))])
     n_out = capture.n_tensor_outputs
     try:
         return lower(capture.graph, name, roles, n_out)
-    except UnsupportedOperationError:
+    except (UnsupportedOperationError, NoActiveBlockError):
         pass
     return lower(recapture().graph, name, roles, n_out)
 

@@ -122,6 +122,7 @@ class PoplarExecutor:
         self._check_output_period()
         self._observe.check(self._user_model)
         di, ga, rf = self._factors()
+        self._inputs.check_no_grad(leaves)
         self._inputs.check_batch(leaves, di, ga, rf, self._options)
         factor = di * ga * rf
         micro = pytree.tree_map_only(

@@ -62,6 +62,19 @@ class ModelInputs:
         self.call_tensors = []        # the caller's input tensors of this call
         self.input_writes = []        # which of them forward() changes in place
 
+    @staticmethod
+    def check_no_grad(leaves):
+        """No input requires grad (PopTorch's text): the model's backward pass
+        runs on the device and does not reach the caller's tensors."""
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        for idx, t in enumerate(tensors):
+            if t.requires_grad:
+                raise Error(
+                    "An input tensor to an IPU model can not have requires_grad set to "
+                    f"True, however input {idx} does: {t}\nYou can set requires_grad=True "
+                    "from within the model as an alternative, and return gradients as "
+                    "outputs to your model, if required. (Pass x.detach() to the model.)")
+
     def check_batch(self, leaves, di, ga, rf, o):
         """Every input's batch dimension divides by the combined batch factor."""
         factor = di * ga * rf
