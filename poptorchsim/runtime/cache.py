@@ -30,6 +30,7 @@ A stale or unreadable cache file is logged and compiled again, never fatal.
 import dataclasses
 import enum
 import functools
+import gc
 import hashlib
 import io
 import logging
@@ -324,10 +325,14 @@ def loads(data):
     """A ``Compiled`` from ``dumps``' bytes, its engine functions generated."""
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 100_000))
+    collecting = gc.isenabled()
+    gc.disable()        # the many small IR objects would trigger full collections
     try:
         compiled = pickle.loads(data)
     finally:
         sys.setrecursionlimit(limit)
+        if collecting:
+            gc.enable()
     cap = compiled.capture
     cap.example_inputs = [torch.zeros(t.shape, dtype=t.dtype) for t in cap.example_inputs]
     graphs = compiled.program.graphs
