@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,19 +39,15 @@ def warnings():
     log.removeHandler(handler)
 
 
-@pytest.fixture
-def no_tracing(monkeypatch):
-    """Makes tracing a model fail: what runs must come from a file."""
-    def refuse(*_args, **_kwargs):
-        raise AssertionError("the model was traced")
-    monkeypatch.setattr(compiler, "capture_training", refuse)
-    monkeypatch.setattr(compiler, "capture_inference", refuse)
+def _refuse(*_args, **_kwargs):
+    """Stands in for tracing where what runs must come from a file."""
+    raise AssertionError("the model was traced")
 
 
-def _training(model=None, options=None, momentum=0.9):
+def _training(model=None, options=None):
     torch.manual_seed(0)
     model = model or ClassifierWithLoss()
-    optimizer = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    optimizer = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return poptorch.trainingModel(model, options or quiet_options(), optimizer)
 
 
@@ -103,9 +100,7 @@ def test_enable_executable_caching_serves_a_fresh_model(tmp_path, monkeypatch):
     opts = quiet_options().enableExecutableCaching(tmp_path)
     x, y = classification_batch(4)
     expected = _training(options=opts)(x, y)
-    def refuse(*_a, **_k):
-        raise AssertionError("traced")
-    monkeypatch.setattr(compiler, "capture_training", refuse)
+    monkeypatch.setattr(compiler, "capture_training", _refuse)
     again = _training(options=opts)
     out = again(x, y)
     assert again._compiled.loaded_from.startswith(str(tmp_path))
@@ -166,6 +161,19 @@ class UsesHelper(ClassifierWithLoss):
         return out, self.loss(out, target)
 
 
+class WithConstant(ClassifierWithLoss):
+    """Holds a plain tensor (not a buffer): tracing bakes its value in."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.offset = torch.full((4,), value)
+        self.weights = [self.fc1.weight]          # as nn.LSTM keeps its _flat_weights
+
+    def forward(self, x, target=None):
+        out = self.fc2(self.act(self.fc1(x))) + self.offset
+        return out, self.loss(out, target)
+
+
 def _key(model=None, options=None, optimizer=None, batch=4, inference=False):
     """The key of a training (or inference) model; ``optimizer(params)``."""
     torch.manual_seed(0)
@@ -199,6 +207,17 @@ def test_the_key_changes_with_model_inputs_options_and_optimizer(monkeypatch):
     assert different["input shape"].differences(base) == ["inputs"]
     assert different["optimizer kind"].differences(base) == ["optimizer"]
     assert different["forward code"].differences(base) == ["model code and attributes"]
+    # weights are uploaded, not compiled in; a tensor constant is compiled in
+    changed = ClassifierWithLoss()
+    with torch.no_grad():
+        changed.fc1.weight.add_(1.0)
+    assert _key(changed) == base
+    with_constant = _key(WithConstant(1.0))
+    with torch.no_grad():
+        held = WithConstant(1.0)
+        held.fc1.weight.add_(1.0)
+    assert _key(held) == with_constant
+    assert _key(WithConstant(2.0)) != with_constant
     # a helper function the model calls is part of its code
     helper_key = _key(UsesHelper())
     monkeypatch.setattr(sys.modules[__name__], "_helper", lambda x: x - 1)
@@ -237,20 +256,19 @@ def test_export_in_another_process_then_load_trains_as_a_fresh_compile(tmp_path,
                                rtol=0, atol=0)
 
 
-def _refuse(*_args, **_kwargs):
-    raise AssertionError("the model was traced")
-
-
 def test_save_after_training_then_load_continues_training(tmp_path, monkeypatch):
-    """Trained weights and the optimizer's momentum travel in the file; a
-    missing folder is made."""
+    """Trained weights, the optimizer's momentum and the RNG state travel in
+    the file; a missing folder is made."""
     original = _training()
     for s in range(2):
         original(*classification_batch(4, seed=s))
     path = tmp_path / "sub" / "model.poptorch"
+    rng = torch.get_rng_state()
     original.save(str(path))
+    torch.rand(3)
     monkeypatch.setattr(compiler, "capture_training", _refuse)
     loaded = poptorch.load(str(path))
+    assert torch.equal(torch.get_rng_state(), rng)
     for s in range(2, 5):
         batch = classification_batch(4, seed=s)
         torch.testing.assert_close(loaded(*batch), original(*batch), rtol=0, atol=0)
@@ -279,7 +297,7 @@ def test_export_model_false_needs_load_executable(tmp_path, monkeypatch):
     x, y = classification_batch(4)
     _training().compileAndExport(path, x, y, export_model=False)
     with pytest.raises(AssertionError, match=r"created with 'export_model=False'.*"
-                                             r"loadExecutable\(\"" + path):
+                                             r"loadExecutable\(\"" + re.escape(path)):
         poptorch.load(path)
     expected, _, _ = _normal_losses([0, 1])
     monkeypatch.setattr(compiler, "capture_training", _refuse)
@@ -305,7 +323,7 @@ def test_load_executable_into_a_different_model_is_an_error(tmp_path):
         wider.loadExecutable(path)
 
 
-def test_files_from_another_version_or_not_ours(tmp_path, monkeypatch):
+def test_files_from_another_version_or_not_ours(tmp_path):
     path = tmp_path / "exe.poptorch"
     _training().compileAndExport(str(path), *classification_batch(4))
     data = export.read(str(path))

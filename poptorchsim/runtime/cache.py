@@ -13,9 +13,10 @@ hit saves (ResNet-18 training: 1.2 s of 1.7 s).  It is a SHA-256 over:
 
 * the model: for every submodule its class, the code of its class (methods,
   and the functions, classes and constants of the user's modules they name;
-  torch's and poptorchsim's own classes are covered by their versions), its
-  attributes (hyperparameters, hooks such as ``BeginBlock``, tensor
-  constants by value), and, for training, its train/eval mode;
+  code of installed packages is named with the package's version instead),
+  its attributes (hyperparameters, hooks such as ``BeginBlock``, tensor
+  constants by value, its own parameters and buffers by name), and, for
+  training, its train/eval mode;
 * the parameters and buffers: names, shapes, dtypes, ``requires_grad``;
 * the inputs of one micro-batch: structure, shapes, dtypes, non-tensor values;
 * what the compiler is given from the options (batching factors, memory
@@ -37,6 +38,7 @@ import logging
 import os
 import pickle
 import sys
+import sysconfig
 import tempfile
 import types
 
@@ -52,7 +54,7 @@ FORMAT = 1                      # of the stored executable; bump when Compiled c
 SUFFIX = ".poptorchsim_exe"
 _SKIPPED_ATTRS = ("_parameters", "_buffers", "_modules", "_poptorchsim_wrapper",
                   "destroy", "_poptorchsim_version")
-_LIBRARIES = ("torch", "poptorchsim", "builtins")   # code covered by a version
+_OURS = ("torch", "poptorchsim")     # code covered by the versions part of the key
 
 
 # -- versions ----------------------------------------------------------------------
@@ -79,16 +81,36 @@ def full_version():
 
 # -- describing objects deterministically --------------------------------------------
 def _library(obj):
-    module = getattr(obj, "__module__", None) or ""
-    return module.split(".")[0] in _LIBRARIES
+    """The version of the installed package ``obj`` comes from ("" for
+    torch, poptorchsim and the standard library), or None for the user's own
+    code, which is hashed."""
+    top = (getattr(obj, "__module__", None) or "").split(".")[0]
+    return _installed_version(top)
+
+
+@functools.lru_cache(maxsize=None)
+def _installed_version(top):
+    if top in _OURS:
+        return ""
+    module = sys.modules.get(top)
+    path = getattr(module, "__file__", None)
+    if path is None:
+        return None if top == "__main__" else ""      # python -c code, or a builtin
+    path = os.path.realpath(path)
+    roots = {os.path.realpath(p) for k, p in sysconfig.get_paths().items()
+             if k in ("purelib", "platlib", "stdlib", "platstdlib")}
+    if not any(path.startswith(root + os.sep) for root in roots):
+        return None
+    return str(getattr(module, "__version__", ""))
 
 
 class _Describer:
     """Turns objects into strings that are equal across processes when the
     objects would trace the same: no ids, no memory addresses."""
 
-    def __init__(self):
+    def __init__(self, known=None):
         self.seen_code = {}
+        self.known = known or {}         # id of a parameter or buffer -> its name
 
     def __call__(self, x, depth=0):
         if depth > 8:
@@ -100,7 +122,7 @@ class _Describer:
         if isinstance(x, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
             return str(x)
         if isinstance(x, torch.Tensor):
-            return self.tensor(x)
+            return self.known.get(id(x)) or self.tensor(x)
         if isinstance(x, torch.nn.Module):
             return f"module:{type(x).__module__}.{type(x).__qualname__}"
         if isinstance(x, (list, tuple)):
@@ -145,7 +167,7 @@ class _Describer:
         for name in code.co_names:
             if fn_globals is not None and name in fn_globals:
                 value = fn_globals[name]
-                if isinstance(value, (types.FunctionType, type)) and not _library(value):
+                if isinstance(value, (types.FunctionType, type)) and _library(value) is None:
                     parts.append(f"{name}={self(value, depth + 1)}")
                 elif isinstance(value, (bool, int, float, str, tuple, enum.Enum)):
                     parts.append(f"{name}={self(value, depth + 1)}")
@@ -154,22 +176,24 @@ class _Describer:
         return digest
 
     def function(self, fn, depth):
-        if _library(fn):
-            return f"{fn.__module__}.{fn.__qualname__}"
+        version = _library(fn)
+        if version is not None:
+            return f"{fn.__module__}.{fn.__qualname__}@{version}"
         closure = [c.cell_contents for c in fn.__closure__ or () if _cell_full(c)]
         return (f"fn:{fn.__qualname__}:{self.code(fn.__code__, fn.__globals__, depth)}"
                 f":{self(fn.__defaults__, depth + 1)}:{self(closure, depth + 1)}")
 
     def cls(self, cls, depth):
         name = f"{cls.__module__}.{cls.__qualname__}"
-        if _library(cls):
-            return name
+        version = _library(cls)
+        if version is not None:
+            return f"{name}@{version}"
         if cls in self.seen_code:
             return self.seen_code[cls]
         self.seen_code[cls] = name
         parts = []
         for base in cls.__mro__:
-            if _library(base):
+            if _library(base) is not None:
                 continue
             for attr, value in sorted(vars(base).items()):
                 if isinstance(value, (staticmethod, classmethod)):
@@ -259,7 +283,10 @@ def executable_key(model, optimizer, training, inputs, settings):
     """The cache key of compiling ``model`` for ``inputs`` (one micro-batch,
     ``(args, kwargs)``) with the compiler ``settings`` (the keyword arguments
     the compiler is given, plus anything else that shapes the program)."""
-    describe = _Describer()
+    known = {id(t): f"state:{n}" for named in (model.named_parameters(remove_duplicate=False),
+                                                model.named_buffers(remove_duplicate=False))
+             for n, t in named}
+    describe = _Describer(known)
     texts = {
         "model code and attributes": _module_text(model, describe, training),
         "parameters and buffers": _state_text(model),
