@@ -356,3 +356,12 @@ def test_save_needs_a_compiled_model(tmp_path):
     with pytest.raises(poptorch.Error, match="Model has not been compiled"):
         _training().save(str(tmp_path / "x.poptorch"))
     assert not (tmp_path / "x.poptorch").exists()
+
+
+def test_an_unwritable_cache_folder_is_logged_not_fatal(tmp_path, warnings):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache folder should be")
+    x, y = classification_batch(4)
+    out = _training(options=quiet_options().enableExecutableCaching(blocker / "cache"))(x, y)
+    assert torch.isfinite(out[1])
+    assert any("Could not write the executable cache file" in w for w in warnings)

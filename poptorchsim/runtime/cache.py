@@ -451,7 +451,9 @@ def compile_cached(directory, key, compile_fn):
     try:
         write_atomically(path, pack(compiled, key))
         logger.info("Saved the executable to the cache: %s", path)
-    except OSError as exc:
+    except (OSError, pickle.PicklingError, TypeError, AttributeError) as exc:
+        # a full disk, a read-only folder, or a program part that cannot be
+        # pickled: the run goes on, uncached
         logger.warning("Could not write the executable cache file %s (%s): the model "
                        "will be compiled again next time.", path, exc)
     return compiled
