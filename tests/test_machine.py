@@ -295,8 +295,8 @@ def test_generated_step_releases_each_intermediate_after_its_last_use():
     after the last line that reads it (as autograd frees activations), so a
     step's peak host memory is its live set, not everything it computed."""
     import re
-    model = poptorch.trainingModel(Regression(16, 4), quiet(),
-                                   torch.optim.SGD(Regression(16, 4).parameters(), lr=0.1))
+    net = Regression(16, 4)
+    model = poptorch.trainingModel(net, quiet(), torch.optim.SGD(net.parameters(), lr=0.1))
     model(torch.randn(8, 16), torch.randn(8, 4))
     source = model._engine.step_fn.source.splitlines()
     returned = set(re.findall(r"v\d+", source[-1]))
