@@ -365,3 +365,29 @@ def test_an_unwritable_cache_folder_is_logged_not_fatal(tmp_path, warnings):
     out = _training(options=quiet_options().enableExecutableCaching(blocker / "cache"))(x, y)
     assert torch.isfinite(out[1])
     assert any("Could not write the executable cache file" in w for w in warnings)
+
+
+def test_a_program_calling_host_functions_is_not_cached(tmp_path):
+    """poptorch.CPU functions live in the process that traced the model: such
+    a program is compiled every time, never stored."""
+    class OnHost(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.cpu = poptorch.CPU(lambda x: x * 2, "Double")
+
+        def forward(self, x):
+            return self.cpu(self.fc(x))
+
+    opts = quiet_options().enableExecutableCaching(tmp_path)
+    torch.manual_seed(0)
+    model = OnHost()
+    x = torch.randn(2, 4)
+    first = poptorch.inferenceModel(model, opts)
+    out = first(x)
+    assert not any(tmp_path.iterdir())
+    again = poptorch.inferenceModel(model, opts)
+    torch.testing.assert_close(again(x), out)
+    assert getattr(again._compiled, "loaded_from", None) is None
+    with torch.no_grad():
+        torch.testing.assert_close(out, model.fc(x) * 2)

@@ -45,6 +45,7 @@ import types
 import torch
 import torch.utils._pytree as pytree
 
+from ..ir.graph import all_ops
 from ..machine.engine import compile_graph
 from ..version import __version__
 
@@ -448,6 +449,10 @@ def compile_cached(directory, key, compile_fn):
         if compiled is not None:
             return compiled
     compiled = compile_fn()
+    if _calls_host_functions(compiled):
+        logger.info("Not caching the executable: it calls Python functions on the host "
+                    "(poptorch.CPU), which another process could not reach.")
+        return compiled
     try:
         write_atomically(path, pack(compiled, key))
         logger.info("Saved the executable to the cache: %s", path)
@@ -457,6 +462,14 @@ def compile_cached(directory, key, compile_fn):
         logger.warning("Could not write the executable cache file %s (%s): the model "
                        "will be compiled again next time.", path, exc)
     return compiled
+
+
+def _calls_host_functions(compiled):
+    """Does the program call ``poptorch.CPU`` functions (registered in this
+    process only, when the model is traced)?"""
+    return any(getattr(getattr(op.target, "overloadpacket", op.target), "__name__", "")
+               == "host_call"
+               for graph in compiled.program.graphs.values() for op in all_ops(graph))
 
 
 def _read(path, key):
