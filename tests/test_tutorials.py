@@ -95,3 +95,14 @@ def test_replication_tutorial(tmp_path):
         assert "skipped: poptorchsim.run" in out, out[-4000:]
     lines = [line for line in out.splitlines() if line.strip()]
     assert re.match(r"Done in \d+(?:\.\d+)? s\.", lines[-1]), lines[-1]
+
+
+def test_precompilation_tutorial():
+    result = _run_tutorial("tutorials/precompilation/precompilation.py", "--small")
+    assert result.returncode == 0, (
+        f"precompilation.py --small exited with {result.returncode}\n"
+        f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-4000:]}")
+    assert "second process: loaded=True" in result.stdout, result.stdout[-4000:]
+    assert "poptorch.load raised AssertionError" in result.stdout, result.stdout[-4000:]
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert re.match(r"Done in \d+(?:\.\d+)? s\.", lines[-1]), lines[-1]
