@@ -194,3 +194,30 @@ def test_bad_arguments_say_what_is_wrong():
     for kind, (exc, text) in cases.items():
         with pytest.raises(exc, match=text):
             poptorchsim.inferenceModel(Bad(kind), quiet_options())(x)
+
+
+def test_cond_estimate_pays_the_branches_the_device_took():
+    """Before running, a conditional is estimated at its longer branch; after
+    a call, ``cycleEstimate()`` pays the branches that call took."""
+    class Uneven(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.big = nn.Linear(64, 64)
+
+        def forward(self, x, flag):
+            heavy = lambda h: [self.big(self.big(self.big(h)))]    # noqa: E731
+            return poptorchsim.cond(flag.sum() > 0, heavy, [x], lambda h: [h + 1], [x])[0]
+
+    sim = poptorchsim.inferenceModel(Uneven(), quiet_options().deviceIterations(2))
+    x = torch.randn(8, 64)
+    sim.compile(x, torch.ones(2))
+    compiled = sim.cycleEstimate()["total"]
+    sim(x, torch.ones(2))                          # the heavy branch twice
+    assert sim.cycleEstimate()["total"] == pytest.approx(compiled, rel=1e-9)
+    sim(x, -torch.ones(2))                         # the light branch twice
+    light = sim.cycleEstimate()["total"]
+    assert light < compiled
+    sim(x, torch.tensor([1.0, -1.0]))              # one of each
+    half = sim.cycleEstimate()["total"]
+    assert light < half < compiled
+    assert half - light == pytest.approx((compiled - light) / 2, rel=1e-6)

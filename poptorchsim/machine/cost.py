@@ -203,32 +203,56 @@ def _host_cost(op, target):
 
 
 def _control_flow_cost(op, target, amp):
-    """A loop pays its body ``count`` times, and per iteration one compute set
-    that advances the counter and branches (a sync) plus the copy of the
-    body's results into the next iteration's inputs; a conditional sends
-    its condition to the control program (a sync) and pays one branch: the
-    longer one, since which branch runs is known only on the device.  The
-    sub-graphs' op costs are kept in ``parts`` (memory planning reads their
-    temporary buffers)."""
+    """A loop or conditional: its sub-graphs' op costs (kept in ``parts``;
+    memory planning reads their temporary buffers), combined by
+    ``_combine``."""
     parts = {name: [op_cost(inner, target, amp) for inner in sub.ops]
              for name, sub in op.subgraphs.items()}
-    totals = {name: OpCost(compute=sum(c.compute for c in costs),
-                           exchange=sum(c.exchange for c in costs),
-                           sync=sum(c.sync for c in costs),
-                           macs=sum(c.macs for c in costs), flops=sum(c.flops for c in costs))
+    return _combine(op, parts, target)
+
+
+_KINDS = ("compute", "exchange", "sync", "host", "macs", "flops")
+
+
+def _combine(op, parts, target, taken=None):
+    """A loop pays its body ``count`` times, and per iteration one compute set
+    that advances the counter and branches (a sync) plus the copy of the
+    body's results into the next iteration's inputs.  A conditional sends
+    its condition to the control program (a sync) and pays one branch: at
+    compile time the longer one (which branch runs is known only on the
+    device); given ``taken`` = [then count, else count] observed on the
+    device, the branches in that proportion."""
+    totals = {name: {k: sum(getattr(c, k) for c in costs) for k in _KINDS}
               for name, costs in parts.items()}
     sync = target.sync_cycles
     if op.cost_class == "loop":
         n, body = op.attrs["count"], totals["body"]
         carried = sum(float(t.mapping.max_bytes()) for t in op.outputs if t is not None)
-        return OpCost(compute=n * (body.compute + VERTEX_OVERHEAD),
-                      exchange=n * (body.exchange + _exchange_cycles(carried, target)),
-                      sync=n * (body.sync + sync), macs=n * body.macs, flops=n * body.flops,
-                      parts=parts)
-    taken = max(totals.values(), key=lambda c: c.total)
-    return OpCost(compute=taken.compute + VERTEX_OVERHEAD,
-                  exchange=taken.exchange + _exchange_cycles(4, target),
-                  sync=taken.sync + sync, macs=taken.macs, flops=taken.flops, parts=parts)
+        return OpCost(compute=n * (body["compute"] + VERTEX_OVERHEAD),
+                      exchange=n * (body["exchange"] + _exchange_cycles(carried, target)),
+                      sync=n * (body["sync"] + sync), host=n * body["host"],
+                      macs=n * body["macs"], flops=n * body["flops"], parts=parts)
+    if taken and sum(taken):
+        weights = {"then": taken[0] / sum(taken), "else": taken[1] / sum(taken)}
+    else:
+        longest = max(totals, key=lambda name: sum(totals[name][k] for k in _KINDS[:4]))
+        weights = {name: float(name == longest) for name in totals}
+    paid = {k: sum(weights[name] * totals[name][k] for name in totals) for k in _KINDS}
+    return OpCost(compute=paid["compute"] + VERTEX_OVERHEAD,
+                  exchange=paid["exchange"] + _exchange_cycles(4, target),
+                  sync=paid["sync"] + sync, host=paid["host"], macs=int(paid["macs"]),
+                  flops=int(paid["flops"]), parts=parts)
+
+
+def with_branches_taken(op, cost, taken, target):
+    """``cost`` of ``op`` with every conditional inside it paying the branches
+    the device took (``taken``: op name -> [then count, else count])."""
+    if not cost.parts:
+        return cost
+    parts = {name: [with_branches_taken(inner, c, taken, target)
+                    for inner, c in zip(sub.ops, cost.parts[name])]
+             for name, sub in op.subgraphs.items()}
+    return _combine(op, parts, target, taken.get(op.name))
 
 
 def _custom_cost(op, target, outs, out_bytes, cost):

@@ -74,14 +74,23 @@ def run_loop(count, body, carried, read):
     return carried
 
 
-def run_cond(condition, then, orelse, then_reads, else_reads):
+def run_cond(condition, then, orelse, then_reads, else_reads, taken):
     """A conditional op: one branch (a compiled graph), chosen by the
-    one-element boolean tensor ``condition``."""
-    return then(then_reads) if bool(condition) else orelse(else_reads)
+    one-element boolean tensor ``condition``; ``taken`` counts the choices
+    ([then, else])."""
+    if bool(condition):
+        taken[0] += 1
+        return then(then_reads)
+    taken[1] += 1
+    return orelse(else_reads)
 
 
-def compile_graph(graph):
-    """A Python function ``f(list_of_inputs) -> list_of_outputs`` for ``graph``."""
+def compile_graph(graph, branches=None):
+    """A Python function ``f(list_of_inputs) -> list_of_outputs`` for ``graph``.
+
+    Its ``branches`` attribute maps each conditional op's name (in sub-graphs
+    too) to [times the then branch ran, times the else branch ran]."""
+    branches = {} if branches is None else branches
     glb = {}
     names = {}
     in_place = _in_place(graph)
@@ -129,13 +138,14 @@ def compile_graph(graph):
         args += [f"{key}={render(v)}" for key, v in op.kwargs.items()]
         if op.subgraphs:           # a loop or a conditional: its sub-graphs compiled
             for name, sub in op.subgraphs.items():
-                glb[f"{fn}_{name}"] = compile_graph(sub)
+                glb[f"{fn}_{name}"] = compile_graph(sub, branches)
             if op.cost_class == "loop":
                 glb[fn] = run_loop
                 args = [repr(op.attrs["count"]), f"{fn}_body"] + args
             else:
                 glb[fn] = run_cond
-                args = [args[0], f"{fn}_then", f"{fn}_else"] + args[1:]
+                glb[f"{fn}_taken"] = branches.setdefault(op.name, [0, 0])
+                args = [args[0], f"{fn}_then", f"{fn}_else"] + args[1:] + [f"{fn}_taken"]
         elif op.target in (aten.as_strided.default, aten.as_strided_.default):
             glb[fn] = as_strided
             args.append(f"traced={const(op.traced_layout)}")
@@ -178,6 +188,7 @@ def compile_graph(graph):
     exec(code, glb)  # noqa: S102 - our own generated code
     run = glb["run"]
     run.source = source
+    run.branches = branches
     return run
 
 

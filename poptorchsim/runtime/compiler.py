@@ -17,7 +17,7 @@ from ..errors import Error, UnsupportedOperationError
 from ..capture.trace import capture_inference, capture_training, capture_update
 from ..ir.graph import (AllGather, AllReduce, Call, DeviceToHost, HostToDevice, Program,
                         ReduceScatter, RemoteLoad, RemoteStore, Repeat, Sequence)
-from ..machine.cost import op_cost
+from ..machine.cost import op_cost, with_branches_taken
 from ..machine.engine import compile_graph
 from ..machine.targets import with_io_tiles
 from ..passes import locations as tensor_locations
@@ -83,6 +83,16 @@ def _stage_times(graph, costs, target, n_stages):
                 (bwd if op.backward else fwd)[op.stage] += _link_cycles(
                     t.nbytes, src, op.ipu, target)
     return fwd, bwd
+
+
+def estimate_with_branches(compiled, taken):
+    """The cycle estimate of one call with each conditional paying the
+    branches the device took (``taken``: op name -> [then, else] counts)
+    instead of the longer one."""
+    costs = {name: [with_branches_taken(op, c, taken, compiled.target)
+                    for op, c in zip(graph.ops, compiled.costs[name])]
+             for name, graph in compiled.program.graphs.items()}
+    return _estimate(compiled.program, costs, compiled.target)
 
 
 def _estimate(program, costs, target):

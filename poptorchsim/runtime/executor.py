@@ -383,9 +383,20 @@ class PoplarExecutor:
         return self._compiled.memory
 
     def cycleEstimate(self):
-        """Estimated cycles of one call, split compute/exchange/sync/host."""
+        """Estimated cycles of one call, split compute/exchange/sync/host.
+        A program with conditionals (``poptorch.cond``) pays the longer
+        branch until it has run; then, the branches its last call took."""
         self._require_compiled()
+        taken = self._branches_taken()
+        if taken:
+            return dict(compiler.estimate_with_branches(self._compiled, taken))
         return dict(self._compiled.cycles)
+
+    def _branches_taken(self):
+        """{conditional op: [then, else] counts} of the last call, or None."""
+        engine = getattr(self, "_engine", None)
+        branches = getattr(getattr(engine, "step_fn", None), "branches", None)
+        return branches if branches and any(sum(v) for v in branches.values()) else None
 
     def simulationReport(self):
         """Memory per tile, cycles per call and per op, liveness: a JSON-ready dict."""
@@ -463,6 +474,8 @@ class PoplarExecutor:
         mode = self._output_mode
         collector = OutputCollector(mode.name, self._options.output_return_period, di, ga, rf)
         self._record_perf(len(inputs), di, ga, rf)
+        for counts in getattr(self._engine.step_fn, "branches", {}).values():
+            counts[:] = [0, 0]                      # this call's branches only
         self._observe.start(di, ga, rf)
         if self._training:
             result = self._engine.run_training(self._state, inputs, collector, di, ga, rf)
