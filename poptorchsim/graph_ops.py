@@ -225,6 +225,11 @@ def dynamic_slice(tensor, dim, start, size, step):
     return torch.index_select(tensor, dim, index)
 
 
+def _ipu_dtype(dtype):
+    """The dtype a tensor has on the IPU, which holds no 64-bit types."""
+    return {torch.int64: torch.int32, torch.float64: torch.float32}.get(dtype, dtype)
+
+
 def dynamic_update(input, src, dim, start, size):  # noqa: A002 - PopTorch's name
     """``input`` with ``size`` elements along ``dim``, from the index held in
     the tensor ``start``, replaced by ``src`` (PopTorch's checks and texts)."""
@@ -245,8 +250,9 @@ def dynamic_update(input, src, dim, start, size):  # noqa: A002 - PopTorch's nam
         raise createPoptorchError("input and src tensors must have same dimensionality. "
                                   f"({input.dim()}) vs ({src.dim()})")
     if input.dtype != src.dtype:
+        # Named as the IPU holds them: 64-bit inputs arrive as 32-bit tensors.
         raise createPoptorchError("input and src tensor must have same dtype. "
-                                  f"({input.dtype} vs {src.dtype})")
+                                  f"({_ipu_dtype(input.dtype)} vs {_ipu_dtype(src.dtype)})")
     index = _offsets(input, dim, start, size, 1, "dynamic_update")
     if src.shape[dim] != size:
         raise createPoptorchError(f"src has {src.shape[dim]} elements along dimension "
@@ -439,6 +445,8 @@ class MultiConv:
         return group
 
     def __enter__(self):
+        if _scopes.current(_scopes.MULTICONV) is not None:     # only while tracing
+            raise createPoptorchError("Nested poptorch.MultiConv is not supported.")
         self._current = self._group()
         self._scope = _scopes.scope(_scopes.MULTICONV, self._current)
         self._scope.__enter__()

@@ -219,6 +219,31 @@ def test_multiconv_builder_validation():
         _conv_costs(lambda: poptorch.MultiConv().availableMemoryProportions([0.5] * 3))
 
 
+def test_multiconv_nested_or_without_convolution_is_refused():
+    # PopTorch's multiconv_test.py texts; outside tracing MultiConv does nothing
+    class Nested(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(1, 2, 3)
+
+        def forward(self, x):
+            with poptorch.MultiConv():
+                with poptorch.MultiConv():
+                    return self.conv(x)
+
+    class Empty(nn.Module):
+        def forward(self, x):
+            with poptorch.MultiConv():
+                return torch.pow(x, 2)
+
+    x = torch.randn(1, 1, 8, 8)
+    Nested()(x), Empty()(x)
+    with pytest.raises(poptorch.Error, match="Nested poptorch.MultiConv is not supported"):
+        poptorch.inferenceModel(Nested(), quiet_options())(x)
+    with pytest.raises(poptorch.Error, match="Unexpected end_multi_conv"):
+        poptorch.inferenceModel(Empty(), quiet_options())(x)
+
+
 # ---------------------------------------------------------------------------
 # serializedMatMul
 # ---------------------------------------------------------------------------
@@ -307,7 +332,10 @@ def test_dynamic_slice_errors():
              (lambda: poptorch.dynamic_update(t.reshape(2, 4), t, 0, s, 1),
               r"input and src tensors must have same dimensionality. \(2\) vs \(1\)"),
              (lambda: poptorch.dynamic_update(t, t.int(), 0, s, 1),
-              "input and src tensor must have same dtype")]
+              "input and src tensor must have same dtype"),
+             # named as the IPU holds them (PopTorch's text): int64 is int32 there
+             (lambda: poptorch.dynamic_update(t, t.long(), 0, s, 1),
+              r"same dtype\. \(torch\.float32 vs torch\.int32\)")]
     for call, message in cases:
         with pytest.raises(poptorch.Error, match=message):
             call()

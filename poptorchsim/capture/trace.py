@@ -28,6 +28,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..errors import DataDependentError, Error, LossError
 from . import blocks as _blocks
 from . import losses as _losses
+from . import scopes as _scopes
 from . import optimizers as _opt
 from .decompositions import decompositions, tracing_backends
 
@@ -171,6 +172,8 @@ def _trace(fn, example, what, blocks_seen=None, stack_traces=False):
                 f"While tracing the {what}, forward() used the value of a tensor "
                 f"at {_user_frame(exc)} ({name}). {DATA_DEPENDENT_HELP}") from None
         raise
+    _drop_constant_reads(gm)
+    _check_multiconvs(gm)
     for node in gm.graph.nodes:
         if node.target in (aten._local_scalar_dense.default, aten.item.default):
             stack = node.meta.get("stack_trace", "") or ""
@@ -180,6 +183,88 @@ def _trace(fn, example, what, blocks_seen=None, stack_traces=False):
                 f"Python (.item() or similar){': ' + ' '.join(w.strip() for w in where) if where else ''}. "
                 f"{DATA_DEPENDENT_HELP}")
     return gm
+
+
+def register_dict_types(value):
+    """Inputs and outputs of a ``dict`` subclass (an ``OrderedDict`` subclass,
+    say) are taken apart like dicts and rebuilt as their own type, as PopTorch
+    does, with no custom argument parser: ``torch.utils._pytree`` knows only
+    the exact types, and would keep such an input whole (its tensors compiled
+    into the model as constants) or return traced tensors inside an output."""
+    if isinstance(value, dict):
+        cls = type(value)
+        if cls not in pytree.SUPPORTED_NODES:
+            def unflatten(values, keys, cls=cls):
+                try:
+                    return cls(zip(keys, values))
+                except TypeError:           # an __init__ of its own
+                    obj = cls.__new__(cls)
+                    dict.update(obj, zip(keys, values))
+                    return obj
+            pytree.register_pytree_node(
+                cls, lambda d: (list(d.values()), tuple(d.keys())), unflatten)
+        for v in value.values():
+            register_dict_types(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            register_dict_types(v)
+
+
+def _check_multiconvs(gm):
+    """A ``MultiConv`` scope must hold a convolution (PopTorch's text)."""
+    groups, with_conv = {}, set()
+    for node in gm.graph.nodes:
+        group = node.meta.get("custom", {}).get(_scopes.MULTICONV)
+        if group is None:
+            continue
+        groups[id(group)] = group
+        if node.target in (aten.convolution.default, aten.conv2d.default,
+                           aten.conv1d.default, aten.conv3d.default):
+            with_conv.add(id(group))
+    if set(groups) - with_conv:
+        raise Error("Unexpected end_multi_conv, is the IR malformed? (a poptorch.MultiConv "
+                    "scope holds no convolution: put the convolutions to run together "
+                    "inside it, or remove it)")
+
+
+def _constant_ancestors(node):
+    """The nodes ``node`` is computed from, or None where one is a graph input:
+    a value read from constants only (closure or attribute tensors, traced as
+    ``get_attr``) is known when the program is compiled."""
+    seen, todo = {}, [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        if n.op == "placeholder":
+            return None
+        seen[n] = None
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _drop_constant_reads(gm):
+    """``.item()`` (a slice bound, an index) of a tensor that forward() holds
+    as a constant was read at trace time and its value compiled in, as
+    PopTorch does; the read and the constant arithmetic leading to it leave
+    the graph.  A read of a tensor computed from the inputs stays, and is
+    refused by the caller."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.target not in (aten._local_scalar_dense.default, aten.item.default) \
+                or node.users:
+            continue
+        ancestors = _constant_ancestors(node)
+        if ancestors is None:
+            continue
+        order = [n for n in gm.graph.nodes if n in ancestors]
+        for n in reversed(order):
+            if not n.users:
+                gm.graph.erase_node(n)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
 
 
 def _grad_and_value(fn):
@@ -287,6 +372,7 @@ def capture_training(module, args, kwargs, in_optimizer, stack_traces=False):
             _blocks.begin_backward()       # what autograd traces next is backward
             out_info["loss_kind"] = kind
             scalar = loss if loss.dim() == 0 else loss.sum()
+            register_dict_types(out)
             return scalar, (out, bufs)
         grads, (_, (out, new_bufs)) = _grad_and_value(loss_of)(p_train, bufs, inputs)
         leaves, out_spec = pytree.tree_flatten(out)
@@ -320,6 +406,7 @@ def capture_inference(module, args, kwargs, stack_traces=False):
     def forward(p, bufs, inputs):
         a, kw = _rebuild_inputs(described, spec, inputs)
         out = _call_checked(module, {**p, **bufs}, a, kw, bufs)
+        register_dict_types(out)
         leaves, out_spec = pytree.tree_flatten(out)
         out_info["spec"], out_info["leaves"] = out_spec, leaves
         return ([x for x in leaves if isinstance(x, torch.Tensor)],

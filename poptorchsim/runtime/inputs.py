@@ -10,7 +10,7 @@ writes inputs that ``forward`` changed in place back to the caller's tensors.
 import torch
 import torch.utils._pytree as pytree
 
-from ..capture.trace import bind_inputs, forward_signature
+from ..capture.trace import bind_inputs, forward_signature, register_dict_types
 from ..errors import BatchDimensionError, Error, InputMismatchError
 
 MISMATCH_SUFFIX = (
@@ -42,6 +42,50 @@ def _reorder_like(value, like):
         items = [_reorder_like(a, b) for a, b in zip(value, like)]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
+
+
+class _TensorSlot:
+    """Where the inputs the model was compiled with held a tensor."""
+
+    def __repr__(self):
+        return "Tensor"
+
+
+_TENSOR = _TensorSlot()
+
+
+def _check_like_structure(value, like, arg_names):
+    """Dict inputs have the keys, tuples and lists the lengths, they were
+    compiled with (PopTorch's texts, naming the input)."""
+    def check(name, v, c):
+        if c is _TENSOR and not isinstance(v, torch.Tensor):
+            raise InputMismatchError(f"Type mismatch for {name}: expected {torch.Tensor} "
+                                     f"but got {type(v)}." + MISMATCH_SUFFIX)
+        if isinstance(c, dict) and isinstance(v, dict):
+            if set(v) != set(c):
+                details = []
+                if set(v) - set(c):
+                    details.append("Unexpected arguments: " +
+                                   ", ".join(sorted(map(str, set(v) - set(c)))))
+                if set(c) - set(v):
+                    details.append("Missing arguments: " +
+                                   ", ".join(sorted(map(str, set(c) - set(v)))))
+                raise InputMismatchError(f"Keys mismatch for {name}: {'. '.join(details)}."
+                                         + MISMATCH_SUFFIX)
+            for k in c:
+                check(f"{name}[{k}]", v[k], c[k])
+        elif isinstance(c, (list, tuple)) and type(v) is type(c):
+            if len(v) != len(c):
+                raise InputMismatchError(f"Length mismatch for {name}: expected {len(c)} "
+                                         f"elements but got {len(v)}." + MISMATCH_SUFFIX)
+            for i, (a, b) in enumerate(zip(v, c)):
+                check(f"{name}[{i}]", a, b)
+
+    (args, kwargs), (like_args, like_kwargs) = value, like
+    for name, v, c in zip(arg_names, args, like_args):
+        check(name, v, c)
+    for k in set(kwargs) & set(like_kwargs):
+        check(k, kwargs[k], like_kwargs[k])
 
 
 def _holds_tensors(leaf):
@@ -107,7 +151,10 @@ class ModelInputs:
             self.call_tensors = list(args)
             return tuple(args), {}, list(args), fast[0], fast[1]
         args, kwargs = bind_inputs(self._model, args, kwargs)
+        register_dict_types((args, kwargs))
         if self.structure is not None:
+            _check_like_structure((args, kwargs), self.structure,
+                                  list(forward_signature(self._model).parameters))
             args, kwargs = _reorder_like((args, kwargs), self.structure)
         self.call_tensors = [t for t in pytree.tree_leaves((args, kwargs))
                              if isinstance(t, torch.Tensor)]
@@ -133,7 +180,7 @@ class ModelInputs:
         """The inputs the model was compiled for."""
         self.template = ([torch.empty(t.shape, dtype=t.dtype, device="meta")
                           if isinstance(t, torch.Tensor) else t for t in leaves], spec, names)
-        self.structure = pytree.tree_map_only(torch.Tensor, lambda t: None, (args, kwargs))
+        self.structure = pytree.tree_map_only(torch.Tensor, lambda t: _TENSOR, (args, kwargs))
         plain = not kwargs and len(leaves) == len(args) and \
             all(type(t) is torch.Tensor for t in args)
         self._positional = (spec, names, len(args)) if plain else None
