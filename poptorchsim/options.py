@@ -225,12 +225,15 @@ class TensorLocationSettings(_OptionsDict):
         return self.createOrSet(useReplicatedTensorSharding=int(use))
 
     def useIOTilesToLoad(self, use=True):
-        """Load through the IO tiles (accepted; the simulator has no IO tiles)."""
+        """Stream these variables from Streaming Memory through the IO tiles
+        (``TensorLocations.numIOTiles``): the transfer overlaps compute, then
+        crosses the exchange to the compute tiles."""
         assert isinstance(use, bool)
         return self.createOrSet(useIOTilesToLoad=int(use))
 
     def useIOTilesToStore(self, use=True):
-        """Store through the IO tiles (accepted; the simulator has no IO tiles)."""
+        """Stream these variables to Streaming Memory through the IO tiles
+        (see ``useIOTilesToLoad``)."""
         assert isinstance(use, bool)
         return self.createOrSet(useIOTilesToStore=int(use))
 

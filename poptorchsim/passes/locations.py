@@ -31,6 +31,7 @@ class Location:
     itemsize: int
     off_chip: bool = False
     shards: int = 1        # > 1: replicated tensor sharding over this many replicas
+    io_tiles: bool = False  # streamed through the IO tiles (useIOTilesToLoad/Store)
 
     @property
     def sharded(self):
@@ -103,5 +104,7 @@ def place(variables, settings, replicas, sharded_state=(), accumulating=True):
             shards = 1
         off = wants_off_chip(settings, kind, numel)
         if off or shards > 1:
-            out[name] = Location(kind, numel, itemsize, off, shards)
+            io = off and bool(_setting(settings, kind, "useIOTilesToLoad", 0)
+                              or _setting(settings, kind, "useIOTilesToStore", 0))
+            out[name] = Location(kind, numel, itemsize, off, shards, io)
     return out

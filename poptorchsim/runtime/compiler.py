@@ -17,7 +17,7 @@ from ..errors import Error, UnsupportedOperationError
 from ..capture.trace import capture_inference, capture_training, capture_update
 from ..ir.graph import (AllGather, AllReduce, Call, DeviceToHost, HostToDevice, Program,
                         ReduceScatter, RemoteLoad, RemoteStore, Repeat, Sequence)
-from ..machine.cost import op_cost, with_branches_taken
+from ..machine.cost import _exchange_cycles, op_cost, with_branches_taken
 from ..machine.engine import compile_graph
 from ..machine.targets import with_io_tiles
 from ..passes import locations as tensor_locations
@@ -125,7 +125,10 @@ def _estimate(program, costs, target):
             total["sync"] += di * ga * target.sync_cycles
         for k in upd:
             total[k] += upd[k] * di / max(len(set(ipu_of_stage)), 1)
-    total["collective"], total["streaming"] = _replication_cycles(program, target)
+    total["collective"], total["streaming"], through_io = _replication_cycles(program, target)
+    if through_io:      # Streaming Memory transfers through IO tiles overlap compute
+        device = total["compute"] + total["exchange"] + total["sync"]
+        total["streaming"] += max(0.0, through_io - device)
     if program.phased:
         device = total["compute"] + total["exchange"] + total["sync"]
         total["streaming"] += _phase_streaming(program, target, device)
@@ -246,13 +249,24 @@ def _replication_cycles(program, target):
         collective += di * per_update
     weights_rts = sum(loc.nbytes for loc in locs.values() if loc.kind == "weight" and loc.sharded)
     collective += di * ga * _ring_cycles(weights_rts / n_ipus, R, 1, target)
+    through_io = 0.0
     for kind, per_update in (("optimizer", 2), ("weight", ga + (1 if training else 0)),
                              ("accumulator", 2 * ga)):
-        off = [loc for loc in locs.values() if loc.kind == kind and loc.off_chip]
-        nbytes = sum(loc.replica_bytes for loc in off) / n_ipus
-        streaming += di * _streaming_cycles(nbytes * per_update, len(off) * per_update,
+        for io in (False, True):
+            off = [loc for loc in locs.values()
+                   if loc.kind == kind and loc.off_chip and loc.io_tiles == io]
+            nbytes = sum(loc.replica_bytes for loc in off) / n_ipus
+            cycles = di * _streaming_cycles(nbytes * per_update, len(off) * per_update,
                                             program, target)
-    return collective, streaming
+            if io:
+                # the IO tiles hold the transfer while compute goes on; the
+                # data then crosses the exchange from IO to compute tiles
+                through_io += cycles
+                streaming += di * per_update * _exchange_cycles(
+                    nbytes / max(target.io_tiles, 1), target)
+            else:
+                streaming += cycles
+    return collective, streaming, through_io
 
 
 def _stages(show, desc):
@@ -399,8 +413,15 @@ def _map_training(step_graph, update_graph, target):
     place_update(update_graph, input_ipus(step_graph), input_stages(step_graph))
 
 
-def _check_locations(settings):
+def _check_locations(settings, io_tiles=0):
     import logging
+    for kind, setting in settings.items():
+        for key in ("useIOTilesToLoad", "useIOTilesToStore"):
+            if setting.get(key) and not io_tiles:
+                raise Error(f"TensorLocations {kind} location asks {key}(True), but no IO "
+                            "tiles are allocated: allocate them with poptorch.Options()."
+                            "TensorLocations.numIOTiles(n) (32 or more), or drop "
+                            f"{key}.")
     if settings.get("activation", {}).get("onChip", 1) == 0:
         logging.getLogger("poptorchsim").warning(
             "TensorLocations.setActivationLocation(useOnChipStorage(False)) only moves "
@@ -428,7 +449,7 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
                      processes=1, io_tiles=0):
     t0 = time.perf_counter()
     settings = locations or {}
-    _check_locations(settings)
+    _check_locations(settings, io_tiles)
     target = with_io_tiles(target, io_tiles)
     bar = _stages(show_progress, "Graph compilation")
     kind = opt_rules.optimizer_kind(optimizer)
@@ -618,7 +639,7 @@ def compile_inference(model, args, kwargs, *, di, rf, target, amp=0.6,
                       processes=1, io_tiles=0):
     t0 = time.perf_counter()
     settings = locations or {}
-    _check_locations(settings)
+    _check_locations(settings, io_tiles)
     target = with_io_tiles(target, io_tiles)
     bar = _stages(show_progress, "Graph compilation")
     bar.set_description("Tracing"); bar.update(1)
