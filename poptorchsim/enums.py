@@ -98,3 +98,13 @@ class MultiConvPlanType(enum.IntEnum):
     (each on its share of the tiles) or one after another."""
     Parallel = 0
     Serial = 1
+
+
+class HalfFloatCastingBehavior(enum.IntEnum):
+    """(deprecated) Only used for tracing.
+
+    HalfUpCastToFloat is now the only supported option: ops with fp16 and
+    fp32 operands compute in fp32, as PyTorch does."""
+    FloatDowncastToHalf = 0
+    HalfUpcastToFloat = 1
+    Default = 2

@@ -277,9 +277,29 @@ class _TensorLocationOptions(_OptionsDict):
 
 
 class _PrecisionOptions(_OptionsDict):
+    """``Options.Precision``: fp16 arithmetic (docs/precision.md)."""
+
     def __init__(self):
         super().__init__(enable_floating_point_exceptions=False,
-                         enable_stochastic_rounding=False, partials_type="float")
+                         enable_stochastic_rounding=False, partials_type="float",
+                         running_statistics_always_float=False)
+
+    def halfFloatCasting(self, half_float_casting):  # noqa: ARG002 - deprecated, as PopTorch
+        """Deprecated in PopTorch, and a no-op there: ops mixing fp16 and fp32
+        operands always compute in fp32 (``HalfUpcastToFloat``)."""
+        import logging
+        logging.getLogger("poptorchsim").warning(
+            "[Deprecated] Do not call options.Precision.halfFloatCasting(): "
+            "HalfUpcastToFloat is now the only supported option and matches PyTorch's "
+            "behaviour so you don't need to explicitly set it.")
+        return self
+
+    def runningStatisticsAlwaysFloat(self, value):
+        """Batch-norm running mean and variance kept in float32 in an fp16
+        model (PopTorch's behaviour before 3.1; see docs/precision.md)."""
+        if not isinstance(value, bool):
+            raise ValueError("runningStatisticsAlwaysFloat needs to be set to a bool")
+        return self.set(running_statistics_always_float=value)
 
     def enableFloatingPointExceptions(self, enabled):
         return self.set(enable_floating_point_exceptions=bool(enabled))

@@ -380,13 +380,15 @@ def _matmul_on_tiles(macs, k_ch, o_ch, operand_bytes, out_elems, item, extra, ta
     cost.compute = macs / p / rate + VERTEX_OVERHEAD * (serial + extra)
     cost.exchange = _exchange_cycles(recv, target)
     cost.sync = target.sync_cycles * (serial + extra)
+    temp = np.zeros(tiles)
+    temp[:p] = recv / serial
     if r > 1:
         partial_bytes = out_elems * (partial_item or item) / p_out * r
         cost.exchange += _exchange_cycles(partial_bytes, target)
         cost.compute += partial_bytes / _vector_rate(target) + VERTEX_OVERHEAD
         cost.sync += target.sync_cycles
-    temp = np.zeros(tiles)
-    temp[:p] = recv / serial
+        # each tile holds its partial sums of its outputs until they are reduced
+        temp[:p] += out_elems * (partial_item or item) / p_out / serial
     cost.temp_bytes = temp
     return cost
 
@@ -432,12 +434,21 @@ def _serialized_matmul(op, serialization, target, amp, outs, item, cost):
     return cost
 
 
+def _partials_item(op, item):
+    """Bytes of one partial sum: fp16 operands accumulate in float32 (Poplar's
+    default) unless ``Precision.setPartialsType(torch.half)`` marked the op."""
+    if op.attrs.get("partials") == "half":
+        return 2
+    return 4 if item == 2 else item
+
+
 def _plan_matmul_plain(op, target, amp, outs, item, cost):
     macs, _ = _macs(op)
     k_ch, o_ch = _channels(op)
     extra = EXTRA_SUPERSTEPS.get(op.target.overloadpacket.__name__, DEFAULT_EXTRA_SUPERSTEPS)
     return _matmul_on_tiles(macs, k_ch, o_ch, [t.nbytes for t in op.input_tensors()],
-                            sum(t.numel for t in outs), item, extra, target, amp, cost)
+                            sum(t.numel for t in outs), item, extra, target, amp, cost,
+                            _partials_item(op, item))
 
 
 def _conv_plan(op, target, amp, item, partial_item, back_off):

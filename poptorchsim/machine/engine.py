@@ -14,6 +14,7 @@ import torch
 
 from ..ir.graph import Tensor
 from .kernels import as_strided, kernel_for
+from .precision import host_kernel
 
 _SIMPLE = (int, float, bool, str, type(None))
 aten = torch.ops.aten
@@ -85,12 +86,15 @@ def run_cond(condition, then, orelse, then_reads, else_reads, taken):
     return orelse(else_reads)
 
 
-def compile_graph(graph, branches=None):
+def compile_graph(graph, branches=None, rounding=None):
     """A Python function ``f(list_of_inputs) -> list_of_outputs`` for ``graph``.
 
     Its ``branches`` attribute maps each conditional op's name (in sub-graphs
-    too) to [times the then branch ran, times the else branch ran]."""
+    too) to [times the then branch ran, times the else branch ran].
+    ``rounding`` (default: the graph's ``rounding`` attribute): a
+    ``precision.Rounding`` when fp16 results round stochastically."""
     branches = {} if branches is None else branches
+    rounding = rounding if rounding is not None else getattr(graph, "rounding", None)
     glb = {}
     names = {}
     in_place = _in_place(graph)
@@ -131,14 +135,17 @@ def compile_graph(graph, branches=None):
         fn = f"_op{k}"
         reads = set()
         kernel, op_args = op.target, list(op.args)
+        into = False
         if k in in_place:
             kernel, pos = in_place[k]
             op_args[0], op_args[pos] = op_args[pos], op_args[0]
+            if rounding is not None:    # rounded out of place, written into the operand
+                kernel, into = op.target, True
         args = [render(a) for a in op_args]
         args += [f"{key}={render(v)}" for key, v in op.kwargs.items()]
         if op.subgraphs:           # a loop or a conditional: its sub-graphs compiled
             for name, sub in op.subgraphs.items():
-                glb[f"{fn}_{name}"] = compile_graph(sub, branches)
+                glb[f"{fn}_{name}"] = compile_graph(sub, branches, rounding)
             if op.cost_class == "loop":
                 glb[fn] = run_loop
                 args = [repr(op.attrs["count"]), f"{fn}_body"] + args
@@ -150,7 +157,7 @@ def compile_graph(graph, branches=None):
             glb[fn] = as_strided
             args.append(f"traced={const(op.traced_layout)}")
         else:
-            glb[fn] = kernel_for(kernel, op_args, op.kwargs)
+            glb[fn] = host_kernel(op, kernel_for(kernel, op_args, op.kwargs), rounding, into)
         call = f"{fn}({', '.join(args)})"
         if op.cost_class == "view" and not op.inplace and not op.multi_output:
             # the same view of the same tensor twice (an RNN's weight

@@ -19,6 +19,7 @@ from ..ir.graph import (AllGather, AllReduce, Call, DeviceToHost, HostToDevice, 
                         ReduceScatter, RemoteLoad, RemoteStore, Repeat, Sequence)
 from ..machine.cost import _exchange_cycles, op_cost, with_branches_taken
 from ..machine.engine import compile_graph
+from .precision import apply as apply_precision, float_statistics_forward
 from ..machine.targets import with_io_tiles
 from ..passes import locations as tensor_locations
 from ..passes.lower import NoActiveBlockError, lower
@@ -446,7 +447,7 @@ def _sharded_state(model, optimizer, capture, settings, replicas):
 def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
                      amp=0.6, show_progress=True, allow_oom=False, out_bytes_fn=None,
                      synthetic=False, strategy=None, auto_round=False, locations=None,
-                     processes=1, io_tiles=0):
+                     processes=1, io_tiles=0, precision=None):
     t0 = time.perf_counter()
     settings = locations or {}
     _check_locations(settings, io_tiles)
@@ -457,11 +458,15 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
     in_optimizer = {by_id[id(p)] for g in optimizer.param_groups for p in g["params"]
                     if id(p) in by_id}
     bar.set_description("Tracing"); bar.update(1)
-    capture = capture_training(model, args, kwargs, in_optimizer)
+    with float_statistics_forward(model, precision):
+        capture = capture_training(model, args, kwargs, in_optimizer)
     overlap = _check_overlap(capture, strategy, io_tiles)
     bar.set_description("Lowering"); bar.update(1)
-    step_graph = _lower_model(capture, "training_step", lambda: capture_training(
-        model, args, kwargs, in_optimizer, stack_traces=True))
+
+    def recapture():
+        with float_statistics_forward(model, precision):
+            return capture_training(model, args, kwargs, in_optimizer, stack_traces=True)
+    step_graph = _lower_model(capture, "training_step", recapture)
 
     shards = _sharded_state(model, optimizer, capture, settings, rf * processes)
     update_graph, kind, group_of, flags = _build_update(model, optimizer, capture, shards,
@@ -481,6 +486,7 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
     _map_training(step_graph, update_graph, target)
     variables = {}
     _map_variables(program, target, variables)
+    rounding = apply_precision(precision, [step_graph, update_graph])
     costs, memory, cycles = _plan(program, target, amp, variables, allow_oom, bar, settings)
     step_fn = compile_graph(step_graph)
     update_fn = compile_graph(update_graph)
@@ -489,6 +495,7 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
                         kind, group_of, flags, time.perf_counter() - t0,
                         max_grad_norm(optimizer), shards)
     compiled.location_settings = settings
+    compiled.precision, compiled.rounding = precision, rounding
     return compiled
 
 
@@ -620,6 +627,9 @@ def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False):
         unit_scale=program.accumulation * program.total_replicas == 1)
     program.graphs["optimizer_update"] = graph
     program.sharded_state = set(shards)
+    graph.rounding = getattr(compiled, "rounding", None)
+    if (getattr(compiled, "precision", None) or {}).get("partials") == "half":
+        apply_precision({"partials": "half"}, [graph])
     variables = {}
     step = program.graphs["training_step"]
     _map_training(step, graph, compiled.target)
@@ -636,18 +646,22 @@ def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False):
 def compile_inference(model, args, kwargs, *, di, rf, target, amp=0.6,
                       show_progress=True, allow_oom=False, out_bytes_fn=None,
                       synthetic=False, strategy=None, auto_round=False, locations=None,
-                      processes=1, io_tiles=0):
+                      processes=1, io_tiles=0, precision=None):
     t0 = time.perf_counter()
     settings = locations or {}
     _check_locations(settings, io_tiles)
     target = with_io_tiles(target, io_tiles)
     bar = _stages(show_progress, "Graph compilation")
     bar.set_description("Tracing"); bar.update(1)
-    capture = capture_inference(model, args, kwargs)
+    with float_statistics_forward(model, precision):
+        capture = capture_inference(model, args, kwargs)
     overlap = _check_overlap(capture, strategy, io_tiles)
     bar.set_description("Lowering"); bar.update(1)
-    graph = _lower_model(capture, "inference_forward", lambda: capture_inference(
-        model, args, kwargs, stack_traces=True))
+
+    def recapture():
+        with float_statistics_forward(model, precision):
+            return capture_inference(model, args, kwargs, stack_traces=True)
+    graph = _lower_model(capture, "inference_forward", recapture)
     in_bytes = _bytes((t.shape, t.dtype) for t in capture.example_inputs) * rf * di
     out_bytes = out_bytes_fn(capture) if out_bytes_fn else 0
     body = Sequence([HostToDevice(in_bytes // di), Call(graph, rf),
@@ -661,8 +675,11 @@ def compile_inference(model, args, kwargs, *, di, rf, target, amp=0.6,
     bar.set_description("Tile mapping"); bar.update(1)
     variables = {}
     map_graph(graph, target, None, variables, input_ipus(graph))
+    rounding = apply_precision(precision, [graph])
     costs, memory, cycles = _plan(program, target, amp, variables, allow_oom, bar, settings)
     fn = compile_graph(graph)
     bar.update(1); bar.close()
-    return Compiled(capture, program, target, memory, costs, cycles, fn,
-                    compile_seconds=time.perf_counter() - t0)
+    compiled = Compiled(capture, program, target, memory, costs, cycles, fn,
+                        compile_seconds=time.perf_counter() - t0)
+    compiled.precision, compiled.rounding = precision, rounding
+    return compiled

@@ -22,6 +22,7 @@ from . import cache, compiler, export, observe
 from .engine_options import allow_out_of_memory, profiling_directory
 from .inputs import ModelInputs
 from .perf import call_timeline, latency
+from .precision import keep_running_statistics_float, settings as precision_settings
 from .weights import DeviceWeights
 
 logger = logging.getLogger("poptorchsim")
@@ -135,20 +136,24 @@ class PoplarExecutor:
         out_bytes = self._output_bytes_fn(di, ga, rf)
         synthetic = bool(o._values.get("synthetic_data", False))
         strategy = getattr(o, "execution_strategy", None)
+        precision = precision_settings(o)
+        if precision["running_statistics_always_float"]:
+            keep_running_statistics_float(self._user_model)
         if self._training:
             compiled = self._through_cache(source, compiler.compile_training,
                 self._user_model, self._optimizer, micro[0], micro[1], di=di, ga=ga, rf=rf,
                 target=self._target, amp=amp, show_progress=show, allow_oom=allow_oom,
                 out_bytes_fn=out_bytes, synthetic=synthetic, strategy=strategy,
                 auto_round=o.auto_round_num_ipus, locations=o.TensorLocations.settings(),
-                processes=o.Distributed.numProcesses, io_tiles=o.TensorLocations.num_io_tiles)
+                processes=o.Distributed.numProcesses, io_tiles=o.TensorLocations.num_io_tiles,
+                precision=precision)
         else:
             compiled = self._through_cache(source, compiler.compile_inference,
                 self._user_model, micro[0], micro[1], di=di, rf=rf, target=self._target,
                 amp=amp, show_progress=show, allow_oom=allow_oom, out_bytes_fn=out_bytes,
                 synthetic=synthetic, strategy=strategy, auto_round=o.auto_round_num_ipus,
                 locations=o.TensorLocations.settings(), processes=o.Distributed.numProcesses,
-                io_tiles=o.TensorLocations.num_io_tiles)
+                io_tiles=o.TensorLocations.num_io_tiles, precision=precision)
         if self._training and rf > 1 and o.broadcast_buffers:
             step = compiled.program.graphs["training_step"]
             names = compiled.capture.buffer_names

@@ -1,0 +1,238 @@
+"""fp16 arithmetic as the IPU does it: stochastic rounding and half partials.
+
+Both are off by default; the engine then runs every op through its ATen
+kernel unchanged, so fp16 results equal PyTorch's CPU fp16 bit for bit.
+
+* **Stochastic rounding** (``Precision.enableStochasticRounding(True)``):
+  an op whose result is fp16 is computed in fp32 (its fp16 operands and any
+  fp16 dtype argument widened) and the fp32 result is rounded to one of the
+  two fp16 values around it, up with probability (x - lo) / (hi - lo).  The
+  expected value of the rounding is x: updates below half an ulp move
+  weights in expectation.  The random bits come from one ``torch.Generator``
+  per compiled executable, seeded from ``Options.randomSeed`` (and the
+  process id of a distributed run): the same seed gives the same results;
+  replicas run one after the other and draw different bits, as the IPU's
+  per-tile generators do.
+* **Half partials** (``Precision.setPartialsType(torch.half)``): matmuls
+  and convolutions with fp16 operands accumulate their reduction in fp16.
+  Model: the reduction is cut into chunks of ``PARTIALS_CHUNK`` (16, an AMP
+  unit's fp16 input width); each chunk's products are summed in fp32 (the
+  AMP's adder tree; fp16 products are exact in fp32) and added to a running
+  partial sum that is rounded to fp16 (to nearest) after every chunk.  Float
+  partials (the default) are PyTorch's CPU fp16 matmul: fp32 accumulation,
+  one rounding at the end.
+"""
+import torch
+from torch.utils import _pytree as pytree
+
+aten = torch.ops.aten
+HALF = torch.float16
+PARTIALS_CHUNK = 16
+_MIN_EXP = -14          # smallest normal fp16 exponent; below it the spacing is fixed
+_MANTISSA = 10
+
+
+def stochastic_round(x, generator=None):
+    """``x`` (fp32) rounded stochastically to fp16: to ``lo`` or ``hi`` (the
+    fp16 neighbours of x) with P(hi) = (x - lo) / (hi - lo).  Exact fp16
+    values, infinities and NaNs are kept; values past fp16's largest finite
+    (65504) may round to infinity, as a cast does."""
+    x = x.float()
+    _, e = torch.frexp(x)                       # |x| = m * 2**e, m in [0.5, 1)
+    ulp = torch.ldexp(torch.ones_like(x), (e - 1).clamp(min=_MIN_EXP) - _MANTISSA)
+    lo = torch.floor(x / ulp) * ulp             # exact: ulp is a power of two
+    u = torch.rand(x.shape, generator=generator, dtype=torch.float32)
+    up = u < (x - lo) / ulp
+    out = torch.where(up, lo + ulp, lo)
+    out = torch.where(torch.isfinite(x), out, x)
+    return out.to(HALF)
+
+
+class Rounding:
+    """The random state of stochastic rounding for one executable."""
+
+    def __init__(self, seed=None, process_id=0):
+        if seed is None:                        # no randomSeed: torch's global RNG decides
+            seed = int(torch.randint(0, 2 ** 62, (1,)).item())
+        self.seed = (int(seed) * 1_000_003 + int(process_id)) % (2 ** 63)
+        self.generator = torch.Generator().manual_seed(self.seed)
+
+    def __getstate__(self):
+        return {"seed": self.seed, "state": self.generator.get_state()}
+
+    def __setstate__(self, state):
+        self.seed = state["seed"]
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self.generator.set_state(state["state"])
+
+    def round(self, x):
+        return stochastic_round(x, self.generator)
+
+
+def _widen(x):
+    """fp16 tensors and dtype arguments widened to fp32."""
+    if isinstance(x, torch.Tensor) and x.dtype == HALF:
+        return x.float()
+    if x is HALF:
+        return torch.float32
+    return x
+
+
+def _has_half(tree):
+    return any((isinstance(x, torch.Tensor) and x.dtype == HALF) or x is HALF
+               for x in pytree.tree_leaves(tree))
+
+
+def _meta(x):
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") \
+        if isinstance(x, torch.Tensor) else x
+
+
+def with_stochastic_rounding(kernel, out_dtypes, rounding, into=False):
+    """``kernel`` computed in fp32, its fp16 results rounded stochastically.
+
+    Which results are fp16 is read from the kernel itself (on meta tensors,
+    once per operand dtypes): graphs traced dtype-blind (the optimizer
+    update) meet fp16 weights only at run time.  ``out_dtypes`` (the traced
+    dtypes) serve where the kernel has no meta form.  ``into``: the op's
+    result is written into its first operand (the engine's in-place plan)."""
+    seen = {}
+
+    def dtypes(args, kwargs):
+        key = tuple(x.dtype if isinstance(x, torch.Tensor) else x
+                    for x in pytree.tree_leaves((args, kwargs))
+                    if isinstance(x, (torch.Tensor, torch.dtype)))
+        if key not in seen:
+            try:
+                out = kernel(*pytree.tree_map(_meta, args), **pytree.tree_map(_meta, kwargs))
+                seen[key] = [out.dtype] if isinstance(out, torch.Tensor) else \
+                    [o.dtype if isinstance(o, torch.Tensor) else None for o in out]
+            except Exception:  # noqa: BLE001 - no meta kernel: the traced dtypes
+                seen[key] = list(out_dtypes)
+        return seen[key]
+
+    def exact(args, kwargs):
+        result = kernel(*args, **kwargs)
+        return args[0].copy_(result) if into else result
+
+    def run(*args, **kwargs):
+        if not _has_half((args, kwargs)) and HALF not in out_dtypes:
+            return exact(args, kwargs)
+        want = dtypes(args, kwargs)
+        if HALF not in want:
+            return exact(args, kwargs)
+        wide = kernel(*pytree.tree_map(_widen, args), **pytree.tree_map(_widen, kwargs))
+        if isinstance(wide, torch.Tensor):
+            result = rounding.round(wide) if want[0] == HALF else wide.to(want[0])
+            return args[0].copy_(result) if into else result
+        return type(wide)(rounding.round(r) if d == HALF and isinstance(r, torch.Tensor)
+                          else r for r, d in zip(wide, want))
+    return run
+
+
+# -- half partials -----------------------------------------------------------------
+
+def _accumulate_half(pieces):
+    """Sum of fp32 ``pieces`` (an iterator of chunk sums) with the running
+    partial sum rounded to fp16 after each chunk."""
+    acc = None
+    for p in pieces:
+        acc = p.to(HALF) if acc is None else (acc.float() + p).to(HALF)
+    return acc
+
+
+def _chunks(k):
+    return [slice(i, min(i + PARTIALS_CHUNK, k)) for i in range(0, k, PARTIALS_CHUNK)]
+
+
+def half_partials_mm(a, b):
+    """``a @ b`` (fp16, 2-D or batched) with fp16 partial sums."""
+    a32, b32 = a.float(), b.float()
+    return _accumulate_half(torch.matmul(a32[..., s], b32[..., s, :])
+                            for s in _chunks(a.shape[-1]))
+
+
+def _mm(a, b):
+    return half_partials_mm(a, b)
+
+
+def _addmm(bias, a, b, *, beta=1, alpha=1):
+    prod = half_partials_mm(a, b).float()
+    return (beta * bias.float() + alpha * prod).to(HALF)
+
+
+def _baddbmm(bias, a, b, *, beta=1, alpha=1):
+    return _addmm(bias, a, b, beta=beta, alpha=alpha)
+
+
+def _convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """A convolution with fp16 partials: the reduction over input channels
+    (times the kernel window) in chunks of channels whose window products
+    fill one chunk of the AMP's reduction."""
+    if transposed or groups != 1:               # see docs/precision.md
+        return aten.convolution.default(x, w, bias, stride, padding, dilation, transposed,
+                                        output_padding, groups)
+    c_in = w.shape[1]
+    window = max(1, w[0, 0].numel())
+    per = max(1, PARTIALS_CHUNK // window)      # channels per chunk of the reduction
+    x32, w32 = x.float(), w.float()
+    out = _accumulate_half(
+        aten.convolution.default(x32[:, i:i + per], w32[:, i:i + per], None, stride, padding,
+                                 dilation, False, output_padding, 1)
+        for i in range(0, c_in, per))
+    if bias is not None:
+        shape = [1, -1] + [1] * (out.dim() - 2)
+        out = (out.float() + bias.float().view(shape)).to(HALF)
+    return out
+
+
+HALF_PARTIALS = {
+    aten.mm.default: _mm,
+    aten.bmm.default: _mm,
+    aten.addmm.default: _addmm,
+    aten.baddbmm.default: _baddbmm,
+    aten.convolution.default: _convolution,
+}
+
+
+def half_partials_kernel(target):
+    """The host function computing ``target`` with fp16 partials, or None."""
+    return HALF_PARTIALS.get(target)
+
+
+def uses_half_partials(op):
+    """Does ``op`` (an IR op) run with fp16 partials?"""
+    return op.attrs.get("partials") == "half"
+
+
+def mark_partials(graph, partials):
+    """Marks the matmuls and convolutions of ``graph`` (and its sub-graphs)
+    whose operands are fp16 with ``attrs["partials"] = partials``."""
+    for op in graph.ops:
+        if op.cost_class in ("matmul", "conv") and any(
+                t.dtype == HALF for t in op.input_tensors()):
+            op.attrs["partials"] = partials
+        for sub in (op.subgraphs or {}).values():
+            mark_partials(sub, partials)
+
+
+def host_kernel(op, kernel, rounding=None, into=False):
+    """The host function the engine calls for ``op``: ``kernel``, or its
+    half-partials form, or (with stochastic ``rounding``) ``kernel``
+    computed in fp32 with its fp16 results rounded stochastically.
+    ``into``: ``kernel`` is the out-of-place kernel of an op the engine
+    runs in place (its result is written into its first operand)."""
+    if uses_half_partials(op) and half_partials_kernel(op.target) is not None:
+        return half_partials_kernel(op.target)
+    if rounding is not None and rounds_stochastically(op):
+        return with_stochastic_rounding(
+            kernel, [t.dtype if t is not None else None for t in op.outputs], rounding, into)
+    return kernel
+
+
+def rounds_stochastically(op):
+    """May the engine round ``op``'s results stochastically (when on)?  Ops
+    computing a floating-point result; views and ops writing an operand in
+    place (copies into buffers) are left alone."""
+    return (op.cost_class not in ("view", "host") and not op.inplace and not op.subgraphs
+            and any(t is not None and t.dtype.is_floating_point for t in op.outputs))

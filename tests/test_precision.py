@@ -1,0 +1,227 @@
+"""Options.Precision: stochastic rounding, half partials, running statistics
+in float32, halfFloatCasting (docs/precision.md)."""
+import logging
+
+import pytest
+import torch
+
+import poptorchsim as poptorch
+from poptorchsim.machine.precision import stochastic_round
+
+HALF = torch.float16
+
+
+class _Weights(torch.nn.Module):
+    def __init__(self, n=1000):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(n, dtype=HALF))
+
+    def forward(self, x):
+        return poptorch.identity_loss((self.w * x).sum(), reduction="sum")
+
+
+def _train_small_updates(sr, seed=1, steps=10):
+    """fp16 weights of 1.0, each step an SGD update of -1e-4 (below half
+    an ulp of 1.0, 2**-11 / 2)."""
+    torch.manual_seed(0)
+    m = _Weights()
+    opts = poptorch.Options().randomSeed(seed)
+    opts.Precision.enableStochasticRounding(sr)
+    pm = poptorch.trainingModel(m, opts, torch.optim.SGD(m.parameters(), lr=1e-4))
+    x = torch.ones(1000, dtype=HALF)
+    for _ in range(steps):
+        pm(x)
+    pm.copyWeightsToHost()
+    return m.w.detach().clone()
+
+
+def test_small_updates_move_weights_only_with_stochastic_rounding():
+    plain = _train_small_updates(False)
+    assert torch.equal(plain, torch.ones(1000, dtype=HALF))     # never move
+    sr = _train_small_updates(True)
+    assert sr.dtype == HALF
+    assert (sr != 1).sum() > 500
+    # in expectation: 1 - 10 * 1e-4
+    assert abs(sr.double().mean().item() - 0.999) < 1e-4      # 5 sigma; off: 1e-3
+
+
+def test_fp32_model_unchanged_by_stochastic_rounding():
+    def train(sr):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 3)
+        opts = poptorch.Options()
+        opts.Precision.enableStochasticRounding(sr)
+        pm = poptorch.trainingModel(_WithLoss(m), opts, torch.optim.SGD(m.parameters(), lr=0.1))
+        for _ in range(3):
+            pm(torch.ones(2, 4))
+        pm.copyWeightsToHost()
+        return m.weight.detach().clone()
+    before = torch.nn.Linear(4, 3).weight
+    a, b = train(False), train(True)
+    assert torch.equal(a, b) and not torch.equal(a, before)
+
+
+class _WithLoss(torch.nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        return poptorch.identity_loss(self.m(x).sum(), reduction="sum")
+
+
+def test_stochastic_rounding_reproducible_from_seed():
+    a = _train_small_updates(True, seed=7, steps=3)
+    b = _train_small_updates(True, seed=7, steps=3)
+    c = _train_small_updates(True, seed=8, steps=3)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_stochastic_round_unbiased_and_exact_on_fp16_values():
+    g = torch.Generator().manual_seed(0)
+    for value in (1.0001, -3.14159, 1e-6, 70000.0 / 3):      # normal, negative, subnormal
+        x = torch.full((200_000,), value, dtype=torch.float32)
+        r = stochastic_round(x, g)
+        assert r.dtype == HALF
+        lo_hi = set(r.unique().float().tolist())
+        assert len(lo_hi) == 2                                  # the two neighbours
+        assert abs(r.double().mean().item() - x[0].item()) < 5e-3 * (max(lo_hi) - min(lo_hi))
+        assert torch.equal(r.float(), r.float().clamp(min(lo_hi), max(lo_hi)))
+    exact = torch.tensor([0.0, -0.0, 1.0, 65504.0, float("inf"), 2 ** -24], dtype=torch.float32)
+    assert torch.equal(stochastic_round(exact, g).float(), exact)
+    assert torch.isnan(stochastic_round(torch.tensor([float("nan")]), g)).all()
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, x):
+        return x * 1.0001
+
+
+def _infer(model, x, *, sr=False, partials=None, rf=1, seed=3):
+    opts = poptorch.Options().randomSeed(seed).replicationFactor(rf)
+    opts.Precision.enableStochasticRounding(sr)
+    if partials is not None:
+        opts.Precision.setPartialsType(partials)
+    pm = poptorch.inferenceModel(model, opts)
+    return pm(x), pm
+
+
+def test_op_outputs_rounded_stochastically_and_per_replica():
+    x = torch.ones(2, 20_000, dtype=HALF)
+    plain, _ = _infer(_Scale(), x)
+    assert torch.equal(plain, _Scale()(x))                     # off: PyTorch's fp16
+    out, _ = _infer(_Scale(), x, sr=True, rf=2)
+    assert set(out.unique().tolist()) == {1.0, 1.0009765625}
+    assert abs(out.double().mean().item() - 1.0001) < 2e-5     # unbiased
+    assert not torch.equal(out[0], out[1])                     # replicas differ
+
+
+class _Dot(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.w = torch.nn.Parameter(w)
+
+    def forward(self, x):
+        return x @ self.w
+
+
+def _long_reduction():
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(4, 8192, generator=g) + 0.5).to(HALF)
+    w = (torch.rand(8192, 16, generator=g) + 0.5).to(HALF)
+    return x, w
+
+
+def test_half_partials_long_reduction():
+    x, w = _long_reduction()
+    exact = x.double() @ w.double()
+    fl, _ = _infer(_Dot(w.clone()), x)
+    half, _ = _infer(_Dot(w.clone()), x, partials=torch.half)
+    assert torch.equal(fl, x @ w)                              # float partials: PyTorch's
+    assert not torch.equal(half, fl)
+    err_float = (fl.double() - exact).abs().mean()
+    err_half = (half.double() - exact).abs().mean()
+    assert err_half > 4 * err_float
+
+
+def _mm_cost(pm):
+    costs = pm._compiled.costs["inference_forward"]
+    ops = pm._compiled.program.graphs["inference_forward"].ops
+    return next(c for op, c in zip(ops, costs) if op.cost_class == "matmul")
+
+
+def test_half_partials_cost_less_memory_and_cycles():
+    x, w = _long_reduction()
+    _, pf = _infer(_Dot(w.clone()), x)
+    _, ph = _infer(_Dot(w.clone()), x, partials=torch.half)
+    cf, ch = _mm_cost(pf), _mm_cost(ph)
+    assert ch.temp_bytes.sum() < cf.temp_bytes.sum()
+    assert ch.exchange + ch.compute < cf.exchange + cf.compute
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.text = ""
+
+    def emit(self, record):
+        self.text += record.getMessage()
+
+
+def test_half_float_casting_as_poptorch():
+    assert [(m.name, m.value) for m in poptorch.HalfFloatCastingBehavior] == [
+        ("FloatDowncastToHalf", 0), ("HalfUpcastToFloat", 1), ("Default", 2)]
+    opts = poptorch.Options()
+    records = _Records()
+    logging.getLogger("poptorchsim").addHandler(records)
+    try:
+        assert opts.Precision.halfFloatCasting(
+            poptorch.HalfFloatCastingBehavior.HalfUpcastToFloat) is opts.Precision
+    finally:
+        logging.getLogger("poptorchsim").removeHandler(records)
+    assert "HalfUpcastToFloat is now the only supported option" in records.text
+    with pytest.raises(ValueError, match="runningStatisticsAlwaysFloat needs to be set to a bool"):
+        opts.Precision.runningStatisticsAlwaysFloat(1)
+
+
+class _BN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x, y):
+        out = self.bn(self.lin(x))
+        return out, torch.nn.functional.mse_loss(out, y)
+
+
+def _bn_stats(always_float):
+    torch.manual_seed(0)
+    m = _BN()
+    ref = _BN()
+    ref.load_state_dict(m.state_dict())
+    m.half()
+    opts = poptorch.Options()
+    opts.Precision.runningStatisticsAlwaysFloat(always_float)
+    pm = poptorch.trainingModel(m, opts, torch.optim.SGD(m.parameters(), lr=0.0))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 8, generator=g) * 3 + 100
+    y = torch.zeros(16, 8)
+    for _ in range(5):
+        pm(x.half(), y.half())
+        ref(x.half().float(), y)
+    pm.copyWeightsToHost()
+    return m.bn, ref.bn
+
+
+def test_running_statistics_always_float():
+    half_bn, ref = _bn_stats(False)
+    float_bn, _ = _bn_stats(True)
+    assert half_bn.running_mean.dtype == HALF
+    assert float_bn.running_mean.dtype == float_bn.running_var.dtype == torch.float32
+    assert not torch.equal(float_bn.running_mean, half_bn.running_mean.float())
+    err_f = (float_bn.running_mean - ref.running_mean).abs().max()
+    err_h = (half_bn.running_mean.float() - ref.running_mean).abs().max()
+    assert err_f < err_h
+    assert int(float_bn.num_batches_tracked) == 5
