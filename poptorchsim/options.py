@@ -367,6 +367,7 @@ class Options(_OptionsDict):
             available_memory_proportion={},
             broadcast_buffers=True,
             show_compilation_progress_bar=True,
+            relax_optimizer_checks=False,
             anchored_tensors={},        # short name -> [long name, default mode?, mode, period]
         )
         object.__setattr__(self, "_training", _TrainingOptions())
@@ -512,6 +513,12 @@ class Options(_OptionsDict):
 
     def showCompilationProgressBar(self, show=True):
         return self.set(show_compilation_progress_bar=bool(show))
+
+    def relaxOptimizerAttributesChecks(self, relax=True):
+        """Attributes an optimizer gains after the model was wrapped (which the
+        compiled update ignores) are logged at debug level instead of as
+        warnings."""
+        return self.set(relax_optimizer_checks=bool(relax))
 
     def enableExecutableCaching(self, path):
         """Keeps compiled executables in the folder ``path`` and loads them

@@ -39,14 +39,15 @@ def _env():
     return env
 
 
-def _launch(*args, timeout=120):
+def _launch(*args, timeout=120, env=None):
     t0 = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "poptorchsim.run", *args], cwd=ROOT,
-                            env=_env(), capture_output=True, text=True, timeout=timeout)
+                            env={**_env(), **(env or {})}, capture_output=True, text=True,
+                            timeout=timeout)
     return result, time.perf_counter() - t0
 
 
-def _one_process_reference(processes=2, local=2):
+def _one_process_reference(processes=2, local=2, optimizer="adam"):
     """One process with ``processes * local`` replicas, fed what the processes
     were fed.
 
@@ -72,7 +73,7 @@ def _one_process_reference(processes=2, local=2):
     opts.Training.gradientAccumulation(ga)
     opts.showCompilationProgressBar(False)
     tm = poptorchsim.trainingModel(model, opts,
-                                   torch.optim.Adam(model.parameters(), lr=1e-2))
+                                   train_small.OPTIMIZERS[optimizer](model.parameters()))
     for k in range(per_process // combined):
         parts = []
         for t in (x, labels):
@@ -98,6 +99,23 @@ def test_two_processes_train_like_one_process_with_all_replicas(tmp_path):
     assert not torch.allclose(got["net.0.weight"], initial["net.0.weight"])
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5,
+                                   msg=lambda msg, n=name: f"{n}: {msg}")
+
+
+@pytest.mark.parametrize("optimizer,atol", [("sgd_combined", 1e-5), ("adam_fp16_accum", 2e-3)])
+def test_two_processes_reduce_like_one_with_the_optimizers_accumulators(tmp_path, optimizer,
+                                                                        atol):
+    """SGD's combined variant adds each process's gradients to its velocity
+    after the all-reduce (not the velocity itself twice); a float16
+    accumulator's running mean in each process is averaged over processes."""
+    out = tmp_path / "weights.pt"
+    result, _ = _launch("--num-instances", "2", "--num-replicas", "4", "--",
+                        str(SCRIPT), str(out), env={"TRAIN_SMALL_OPTIMIZER": optimizer})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    got = torch.load(out)
+    expected = _one_process_reference(optimizer=optimizer)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=atol,
                                    msg=lambda msg, n=name: f"{n}: {msg}")
 
 

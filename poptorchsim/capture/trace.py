@@ -70,6 +70,7 @@ class Capture:
     loss_kind: str = ""
     example_inputs: list = field(default_factory=list)
     blocks: list = field(default_factory=list)   # (user_id, ipu_id) in entry order
+    loss_scaling: bool = False         # the step's last input scales the loss
 
 
 def forward_signature(module):
@@ -347,12 +348,16 @@ def _split_state(module):
     return params, buffers
 
 
-def capture_training(module, args, kwargs, in_optimizer, stack_traces=False):
+def capture_training(module, args, kwargs, in_optimizer, stack_traces=False,
+                     loss_scaling=False):
     """Trace forward + loss + backward of one micro-batch.
 
     Parameters that require grad and belong to the optimizer are trained;
     the others are held constant.  ``stack_traces``: every node records the
-    line of the model that made it (slower; for error messages)."""
+    line of the model that made it (slower; for error messages).
+    ``loss_scaling``: the step takes one more input, the loss scaling, and
+    differentiates the loss multiplied by it (in the loss's type, as the
+    IPU seeds the backward pass), so the gradients come out scaled."""
     params, buffers = _split_state(module)
     param_names = list(params)
     trainable = [n for n in param_names if params[n].requires_grad and n in in_optimizer]
@@ -361,7 +366,7 @@ def capture_training(module, args, kwargs, in_optimizer, stack_traces=False):
     described, spec, tensors = _flatten_inputs(args, kwargs)
     out_info = {}
 
-    def step(p_train, p_frozen, bufs, inputs):
+    def step(p_train, p_frozen, bufs, inputs, *scale):
         def loss_of(p_train, bufs, inputs):
             # buffers and inputs are arguments, so forward() may change them in place
             a, kw = _rebuild_inputs(described, spec, inputs)
@@ -372,6 +377,8 @@ def capture_training(module, args, kwargs, in_optimizer, stack_traces=False):
             _blocks.begin_backward()       # what autograd traces next is backward
             out_info["loss_kind"] = kind
             scalar = loss if loss.dim() == 0 else loss.sum()
+            if scale:
+                scalar = scalar * scale[0].to(scalar.dtype)
             register_dict_types(out)
             return scalar, (out, bufs)
         grads, (_, (out, new_bufs)) = _grad_and_value(loss_of)(p_train, bufs, inputs)
@@ -386,13 +393,14 @@ def capture_training(module, args, kwargs, in_optimizer, stack_traces=False):
         {n: params[n].detach() for n in frozen},
         {n: buffers[n].detach() for n in buffer_names},
         [t.detach() for t in tensors],
-    )
+    ) + ((torch.ones((), dtype=torch.float32),) if loss_scaling else ())
     blocks = []
     gm = _trace(step, example, "training step", blocks, stack_traces)
     return _finish(Capture("training", gm, trainable + frozen, trainable, buffer_names,
                            spec, described, None, None, 0,
                            loss_kind=out_info.get("loss_kind", ""),
-                           example_inputs=tensors, blocks=blocks), out_info)
+                           example_inputs=tensors, blocks=blocks,
+                           loss_scaling=loss_scaling), out_info)
 
 
 def capture_inference(module, args, kwargs, stack_traces=False):
@@ -444,111 +452,155 @@ def _finish(capture, out_info):
     return capture
 
 
-def capture_update(kind, shapes, group_of, flags_per_group, max_grad_norm=None,
-                   unit_scale=False):
+@dataclass(frozen=True)
+class ParamUpdate:
+    """One trainable parameter as the update graph sees it."""
+    shape: tuple
+    dtype: torch.dtype              # the weight's
+    grad_dtype: torch.dtype         # the gradient input's (the accumulator's)
+    group: int                      # its param_group
+    slots_in: tuple = ()            # ((state name, dtype), ...) the update reads
+    slots_out: tuple = ()           # ... and writes
+
+
+def _update_rule(plan, layout, unit_scale):
+    """``(prepare, apply)`` for one parameter: ``prepare(grad, grad_scale)``
+    gives the gradient in the compute type with the loss scaling and the
+    mean reduction taken out; ``apply(param, g, state, step, hyper, globals,
+    grad_scale)`` gives the new parameter and state in their stored types.
+    The rule computes in float32 (float64 for a float64 weight)."""
+    rule = _opt.RULES[plan.kind]
+    flags = plan.group_flags(layout.group)
+    in_names = [n for n, _ in layout.slots_in]
+    cdt = torch.promote_types(layout.dtype, torch.float32)
+
+    def prepare(grad, grad_scale):
+        g = grad.to(cdt)
+        return g if unit_scale or not rule.scale_grad else g * grad_scale
+
+    def apply(param, g, state, step, hyper, globals_, grad_scale):
+        h = dict(zip(plan.hyper, hyper))
+        h.update(zip(plan.globals, globals_))
+        h["grad_scale"] = grad_scale
+        st = {n: s.to(cdt) for n, s in zip(in_names, state)}
+        new, new_state = rule.fn(param.to(cdt), g, st, h, step, flags)
+        return new.to(param.dtype), [new_state[n].to(dt) for n, dt in layout.slots_out]
+    return prepare, apply
+
+
+def _example(layout):
+    return (torch.zeros(layout.shape, dtype=layout.dtype),
+            torch.zeros(layout.shape, dtype=layout.grad_dtype),
+            [torch.zeros(layout.shape, dtype=dt) for _, dt in layout.slots_in],
+            torch.zeros((), dtype=torch.float32))
+
+
+def capture_update(plan, layouts, n_groups, unit_scale=False):
     """Trace one optimizer step over every trainable parameter.
 
-    ``shapes``: parameter shapes in order; ``group_of[i]``: its param_group;
-    ``flags_per_group``: the structural flags of each group;
-    ``max_grad_norm``: clip by the global gradient norm first (PopTorch's
-    optimizers' argument; ``clip_grad_norm_``'s formula); ``unit_scale``:
-    the gradient scale input is 1 (one micro-batch on one replica per
-    update), so gradients are used as they are.
+    ``plan``: the ``UpdatePlan`` (rule, flags per group, types, loss
+    scaling, ``max_grad_norm``: clip by the global gradient norm first, as
+    ``clip_grad_norm_`` does); ``layouts``: a ``ParamUpdate`` per trainable
+    parameter; ``unit_scale``: the gradient scale input is always 1 (one
+    micro-batch on one replica per update, no loss scaling), so gradients
+    are used as they are.  Inputs: ``(params, grads, state, steps, hyper,
+    globals, grad_scale)``; outputs ``(new params, new state, new steps)``.
     """
-    state_names, hyper_names, rule = _opt.RULES[kind]
-    n_groups = len(flags_per_group)
-    if max_grad_norm is None and shapes:
-        stitched = _update_by_parameter(kind, shapes, group_of, flags_per_group, unit_scale)
+    n_h, n_g = len(plan.hyper), len(plan.globals)
+    if plan.max_grad_norm is None and layouts:
+        stitched = _update_by_parameter(plan, layouts, n_groups, unit_scale)
         if stitched is not None:
             return stitched
+    rules = [_update_rule(plan, layout, unit_scale) for layout in layouts]
+    max_grad_norm = plan.max_grad_norm
 
-    def update(params, grads, state, steps, hyper, grad_scale):
-        new_params, new_state, new_steps = [], [], []
-        if not unit_scale:
-            grads = [g * grad_scale for g in grads]
+    def update(params, grads, state, steps, hyper, globals_, grad_scale):
+        grads = [prepare(g, grad_scale) for (prepare, _), g in zip(rules, grads)]
         if max_grad_norm is not None:
             total = torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(g) for g in grads]))
             coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
             grads = [g * coef for g in grads]
-        for i, (p, g) in enumerate(zip(params, grads)):
-            grp = group_of[i]
-            h = {name: hyper[grp * len(hyper_names) + j] for j, name in enumerate(hyper_names)}
+        new_params, new_state, new_steps = [], [], []
+        for i, ((_, apply), layout) in enumerate(zip(rules, layouts)):
+            grp = layout.group
             step = steps[i] + 1
-            p_new, s_new = rule(p, g, state[i], h, step, flags_per_group[grp])
+            p_new, s_new = apply(params[i], grads[i], state[i], step,
+                                 hyper[grp * n_h:(grp + 1) * n_h], globals_, grad_scale)
             new_params.append(p_new)
-            new_state.append(list(s_new))
+            new_state.append(s_new)
             new_steps.append(step)
         return new_params, new_state, new_steps
 
+    examples = [_example(layout) for layout in layouts]
     example = (
-        [torch.zeros(s) for s in shapes],
-        [torch.zeros(s) for s in shapes],
-        [[torch.zeros(s) for _ in state_names] for s in shapes],
-        [torch.zeros((), dtype=torch.float32) for _ in shapes],
-        [torch.zeros((), dtype=torch.float64) for _ in range(n_groups * len(hyper_names))],
+        [e[0] for e in examples], [e[1] for e in examples], [e[2] for e in examples],
+        [e[3] for e in examples],
+        [torch.zeros((), dtype=torch.float64) for _ in range(n_groups * n_h)],
+        [torch.zeros((), dtype=torch.float64) for _ in range(n_g)],
         torch.ones((), dtype=torch.float32),
     )
     with _tracing_scope():
         return _cast_scalars_once(make_fx(update, tracing_mode="fake")(*example))
 
 
-def _update_by_parameter(kind, shapes, group_of, flags_per_group, unit_scale):
+def _update_by_parameter(plan, layouts, n_groups, unit_scale):
     """The update graph of ``capture_update`` built from one small trace per
-    distinct (shape, param group), copied once per parameter: without global
-    clipping every parameter's update is independent, and models repeat a
-    few shapes many times (tracing each op costs about a millisecond).
-    None when a traced rule holds tensor constants."""
-    state_names, hyper_names, rule = _opt.RULES[kind]
-    n, n_s, n_h = len(shapes), len(state_names), len(hyper_names)
+    distinct parameter layout (shape, types, param group), copied once per
+    parameter: without global clipping every parameter's update is
+    independent, and models repeat a few shapes many times (tracing each op
+    costs about a millisecond).  None when a traced rule holds tensor
+    constants."""
+    n, n_h, n_g = len(layouts), len(plan.hyper), len(plan.globals)
 
-    def one(flags):
-        def update(param, grad, state, step, hyper, grad_scale):
+    def one(layout):
+        prepare, apply = _update_rule(plan, layout, unit_scale)
+
+        def update(param, grad, state, step, hyper, globals_, grad_scale):
             step = step + 1
-            grad = grad if unit_scale else grad * grad_scale
-            p_new, s_new = rule(param, grad, state, dict(zip(hyper_names, hyper)), step, flags)
-            return p_new, list(s_new), step
+            p_new, s_new = apply(param, prepare(grad, grad_scale), state, step, hyper,
+                                 globals_, grad_scale)
+            return p_new, s_new, step
         return update
 
     traced = {}
     with _tracing_scope():
-        for shape, grp in dict.fromkeys(zip(map(tuple, shapes), group_of)):
-            example = (torch.zeros(shape), torch.zeros(shape),
-                       [torch.zeros(shape) for _ in state_names],
-                       torch.zeros((), dtype=torch.float32),
-                       [torch.zeros((), dtype=torch.float64) for _ in hyper_names],
-                       torch.ones((), dtype=torch.float32))
-            gm = make_fx(one(flags_per_group[grp]), tracing_mode="fake")(*example)
+        for layout in dict.fromkeys(layouts):
+            example = _example(layout) + (
+                [torch.zeros((), dtype=torch.float64) for _ in range(n_h)],
+                [torch.zeros((), dtype=torch.float64) for _ in range(n_g)],
+                torch.ones((), dtype=torch.float32))
+            gm = make_fx(one(layout), tracing_mode="fake")(*example)
             if any(node.op == "get_attr" for node in gm.graph.nodes):
                 return None
-            traced[shape, grp] = gm
+            traced[layout] = gm
     graph = torch.fx.Graph()
 
     def inputs(prefix, count):
         return [graph.placeholder(f"{prefix}_{k}") for k in range(count)]
 
     params, grads = inputs("params", n), inputs("grads", n)
-    state = [inputs(f"state_{i}", n_s) for i in range(n)]
+    state = [inputs(f"state_{i}", len(layout.slots_in)) for i, layout in enumerate(layouts)]
     steps = inputs("steps", n)
-    hyper = inputs("hyper", len(flags_per_group) * n_h)
+    hyper = inputs("hyper", n_groups * n_h)
+    globals_ = inputs("globals", n_g)
     grad_scale, = inputs("grad_scale", 1)
     new_params, new_state, new_steps = [], [], []
-    for i, (shape, grp) in enumerate(zip(map(tuple, shapes), group_of)):
-        sub = traced[shape, grp].graph
+    for i, layout in enumerate(layouts):
+        grp, n_out = layout.group, len(layout.slots_out)
+        sub = traced[layout].graph
         ours = ([params[i], grads[i]] + state[i] + [steps[i]]
-                + hyper[grp * n_h:(grp + 1) * n_h] + [grad_scale])
+                + hyper[grp * n_h:(grp + 1) * n_h] + globals_ + [grad_scale])
         theirs = [node for node in sub.nodes if node.op == "placeholder"]
         for mine, node in zip(ours, theirs):
             mine.meta.setdefault("val", node.meta["val"])
         outs = pytree.tree_leaves(graph.graph_copy(sub, dict(zip(theirs, ours))))
         new_params.append(outs[0])                 # make_fx returns a flat list
-        new_state.append(outs[1:1 + n_s])
-        new_steps.append(outs[1 + n_s])
-    example = traced[next(iter(traced))].graph
-    scalar = next(node for node in example.nodes if node.op == "placeholder"
-                  and node.meta["val"].dtype == torch.float64) if n_h else None
-    for node in hyper:                     # groups without trainable parameters
-        node.meta.setdefault("val", scalar.meta["val"])
+        new_state.append(outs[1:1 + n_out])
+        new_steps.append(outs[1 + n_out])
+    scalar = torch.empty((), dtype=torch.float64, device="meta")
+    for node in hyper + globals_:          # groups without trainable parameters
+        node.meta.setdefault("val", scalar)
     graph.output((new_params, new_state, new_steps))
     return _common_subexpressions(torch.fx.GraphModule(torch.nn.Module(), graph))
 

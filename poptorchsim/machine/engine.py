@@ -249,6 +249,45 @@ def unshard(parts, shape):
     return torch.cat([p.reshape(-1) for p in parts])[:n].view(shape)
 
 
+class Accumulation:
+    """How one weight update combines the gradients of its micro-batches, as
+    PopART's gradient accumulators do: summed (a running mean with
+    MeanReductionStrategy.Running) in the accumulator's type; for SGD's
+    combined variant, added straight into the combined velocity tensor (slot
+    0 of the parameter's state), each scaled by ``state.combined_scale``."""
+
+    def __init__(self, dtypes, running=False, into=()):
+        self.dtypes = list(dtypes)      # per parameter: the accumulator's type, or None
+        self.running = running
+        self.into = set(into)           # parameters accumulating into their velocity
+
+    def add(self, acc, grads, k, state, apart=False):
+        """The accumulators after micro-batch ``k`` (from 0).  ``apart``: the
+        combined variant's increments are summed apart from the velocity (they
+        are reduced across processes first, see ``finish``)."""
+        out = []
+        for i, g in enumerate(grads):
+            a = None if acc is None else acc[i]
+            if i in self.into:
+                if a is None:
+                    a = state.opt_state[i][0]
+                    a = torch.zeros_like(a) if apart else a
+                out.append(torch.add(a, g.to(a.dtype), alpha=state.combined_scale[i]))
+                continue
+            dtype = self.dtypes[i] or g.dtype
+            if a is None:
+                out.append(g.to(dtype))
+            elif self.running:          # s = f/(f+1) s + 1/(f+1) g, rounded once
+                out.append((a.float() * (k / (k + 1)) + g.float() * (1 / (k + 1))).to(dtype))
+            else:
+                out.append(a + g.to(dtype))
+        return out
+
+    def finish(self, acc, state):
+        """The velocities added to their reduced increments (see ``add``)."""
+        return [state.opt_state[i][0] + a if i in self.into else a for i, a in enumerate(acc)]
+
+
 class Engine:
     """Device state and the loops that run a compiled program on it."""
 
@@ -264,6 +303,10 @@ class Engine:
         # sharded over; ``state.opt_state`` then holds one shard per replica
         self.shards = dict(shards or {})
         self.reduce = None      # sums gradients across processes (distributed/)
+        # per trainable parameter: (state slots the update reads, slots it
+        # writes); None: all of them, both ways
+        self.slot_counts = None
+        self.accumulation = None    # an Accumulation; None: plain sums
 
     def run_inference(self, params, buffers, inputs, collector, di, rf):
         """``inputs``: tensors shaped [di, 1, rf, micro, ...]."""
@@ -286,22 +329,32 @@ class Engine:
         """
         n_train = state.n_trainable
         n_buf = len(state.buffers[0])
+        extra = list(getattr(state, "step_extra", None) or [])    # the loss scaling
+        accumulation = self.accumulation
+        apart = self.reduce is not None and accumulation is not None and accumulation.into
         self.written = []
         with torch.no_grad():
             for i in range(di):
                 acc = None
+                k = 0
                 for g in range(ga):
                     for r in range(rf):
                         outs = self.step_fn(state.params + state.buffers[r]
-                                            + [x[i, g, r] for x in inputs])
+                                            + [x[i, g, r] for x in inputs] + extra)
                         n_out = len(outs) - n_train - n_buf
                         grads = outs[n_out:n_out + n_train]
                         state.buffers[r] = outs[n_out + n_train:]
                         collector.add(i, g, r, self._keep_writes(outs[:n_out]))
                         # accumulate (and, across replicas, all-reduce)
-                        acc = grads if acc is None else [a + b for a, b in zip(acc, grads)]
+                        if accumulation is None:
+                            acc = grads if acc is None else [a + b for a, b in zip(acc, grads)]
+                        else:
+                            acc = accumulation.add(acc, grads, k, state, apart)
+                        k += 1
                 if self.reduce is not None:
                     acc = self.reduce(acc)
+                    if apart:
+                        acc = accumulation.finish(acc, state)
                 if self.shards:
                     self._sharded_update(state, acc)
                 else:
@@ -318,14 +371,16 @@ class Engine:
     def _run_update(self, state, params, grads, opt_state, steps=None):
         """One call of the update graph: (params, opt_state, steps) after it."""
         n_train = len(params)
-        flat_state = [s for slots in opt_state for s in slots]
+        counts = self.slot_counts or [(len(slots), len(slots)) for slots in opt_state]
+        flat_state = [s for (n_in, _), slots in zip(counts, opt_state) for s in slots[:n_in]]
         steps = state.steps if steps is None else steps
         new = self.update_fn(params + grads + flat_state
                              + steps + state.hyper + [state.grad_scale])
-        n_slots = len(opt_state[0]) if opt_state else 0
-        flat = new[n_train:n_train + n_train * n_slots]
-        return (new[:n_train], [flat[k * n_slots:(k + 1) * n_slots] for k in range(n_train)],
-                new[n_train + n_train * n_slots:])
+        new_state, at = [], n_train
+        for _, n_out in counts:
+            new_state.append(new[at:at + n_out])
+            at += n_out
+        return new[:n_train], new_state, new[at:]
 
     def _update(self, state, acc):
         n_train = state.n_trainable

@@ -196,8 +196,8 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
     # weight, plus its gradient and optimizer state when training
     state_per_param = 1
     if training:
-        from ..capture.optimizers import RULES
-        state_per_param = 2 + len(RULES[compiled.optimizer_kind][0])
+        slots = compiled.slots[0][1] if compiled.slots else ()
+        state_per_param = 2 + len(slots)
     for i, (n, m) in enumerate(units):
         memory[i] += state_per_param * sum(p.numel() * p.element_size()
                                            for p in m.parameters())

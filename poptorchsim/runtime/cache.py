@@ -21,8 +21,9 @@ hit saves (ResNet-18 training: 1.2 s of 1.7 s).  It is a SHA-256 over:
 * the inputs of one micro-batch: structure, shapes, dtypes, non-tensor values;
 * what the compiler is given from the options (batching factors, memory
   proportion, strategy, tensor locations, output mode, ...) and the target;
-* the optimizer's kind, structural flags and parameter groups (not its
-  learning rate or other hyperparameter values: those are device scalars);
+* the optimizer's type, structural flags, state types, loss scaling and
+  parameter groups (not its learning rate or other hyperparameter values:
+  those are device scalars);
 * the versions of Python, torch and poptorchsim, and a digest of
   poptorchsim's own source files.
 
@@ -265,13 +266,12 @@ def _optimizer_text(model, optimizer):
     if optimizer is None:
         return "none"
     from ..capture import optimizers as opt_rules
-    from .compiler import max_grad_norm
-    kind = opt_rules.optimizer_kind(optimizer)
+    # the structure of the update (type, flags, state types, loss scaling,
+    # clipping); gradient accumulation and the reduction are in the options
+    plan = opt_rules.plan_update(optimizer, opt_rules.read_settings(optimizer))
     names = {id(p): n for n, p in model.named_parameters()}
-    groups = [(opt_rules.group_settings(kind, g)[1],
-               [names.get(id(p), "?") for p in g["params"]])
-              for g in optimizer.param_groups]
-    return f"{kind} {max_grad_norm(optimizer)} {groups!r}"
+    groups = [[names.get(id(p), "?") for p in g["params"]] for g in optimizer.param_groups]
+    return f"{plan!r} {groups!r}"
 
 
 def _versions_text():

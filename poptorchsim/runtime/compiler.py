@@ -44,6 +44,9 @@ class Compiled:
     compile_seconds: float = 0.0
     max_grad_norm: float = None
     shards: dict = field(default_factory=dict)   # param -> replicas its optimizer state is cut over
+    plan: object = None               # the optimizer update's UpdatePlan
+    slots: list = field(default_factory=list)    # per trainable param: (Slots read, Slots written)
+    layouts: list = field(default_factory=list)  # per trainable param: trace.ParamUpdate
 
 
 def _bytes(shapes_dtypes):
@@ -430,11 +433,19 @@ def _check_locations(settings, io_tiles=0):
             "ParallelPhasedExecution); activations stay on chip.")
 
 
-def _sharded_state(model, optimizer, capture, settings, replicas):
+def _sharded_state(model, optimizer, capture, settings, replicas, plan=None):
     """{param: replicas} for the parameters whose optimizer state is sharded."""
     params = dict(model.named_parameters())
     numels = {n: params[n].numel() for n in capture.trainable_names}
     names = tensor_locations.sharded_parameters(settings, numels, replicas)
+    if plan is not None and plan.kind == "sgd_combined":
+        return {}       # the combined variant has no optimizer state to shard
+    if names and plan is not None and plan.kind == "lamb":
+        raise Error(
+            "LAMB's trust ratio needs the norms of whole weights, but replicated tensor "
+            f"sharding of the optimizer state leaves each replica with a shard of {len(names)} "
+            "parameter(s) (poptorchsim does not all-reduce the partial norms). Turn sharding "
+            "off with TensorLocationSettings().useReplicatedTensorSharding(False).")
     if names and max_grad_norm(optimizer) is not None:
         raise Error(
             "max_grad_norm needs the global gradient norm, but replicated tensor sharding "
@@ -444,33 +455,48 @@ def _sharded_state(model, optimizer, capture, settings, replicas):
     return {n: replicas for n in names}
 
 
+def update_plan(optimizer, ga, running_mean=False, auto_loss_scaling=False):
+    """(Settings, UpdatePlan) of ``optimizer`` for a program accumulating ``ga``
+    micro-batches per update."""
+    read = opt_rules.read_settings(optimizer, auto_loss_scaling)
+    return read, opt_rules.plan_update(optimizer, read, accumulating=ga > 1,
+                                       running_mean=running_mean)
+
+
 def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
                      amp=0.6, show_progress=True, allow_oom=False, out_bytes_fn=None,
                      synthetic=False, strategy=None, auto_round=False, locations=None,
-                     processes=1, io_tiles=0, precision=None):
+                     processes=1, io_tiles=0, precision=None, running_mean=False,
+                     auto_loss_scaling=False):
+    """``running_mean``: the mean over accumulated micro-batches is a running
+    mean (MeanReductionStrategy.Running); ``auto_loss_scaling``: the loss
+    scaling is variable (Options.Training.setAutomaticLossScaling)."""
     t0 = time.perf_counter()
     settings = locations or {}
     _check_locations(settings, io_tiles)
     target = with_io_tiles(target, io_tiles)
     bar = _stages(show_progress, "Graph compilation")
-    kind = opt_rules.optimizer_kind(optimizer)
+    _, plan = update_plan(optimizer, ga, running_mean, auto_loss_scaling)
     by_id = {id(p): n for n, p in model.named_parameters()}
     in_optimizer = {by_id[id(p)] for g in optimizer.param_groups for p in g["params"]
                     if id(p) in by_id}
     bar.set_description("Tracing"); bar.update(1)
     with float_statistics_forward(model, precision):
-        capture = capture_training(model, args, kwargs, in_optimizer)
+        capture = capture_training(model, args, kwargs, in_optimizer,
+                                   loss_scaling=plan.loss_scaling)
     overlap = _check_overlap(capture, strategy, io_tiles)
     bar.set_description("Lowering"); bar.update(1)
 
     def recapture():
         with float_statistics_forward(model, precision):
-            return capture_training(model, args, kwargs, in_optimizer, stack_traces=True)
+            return capture_training(model, args, kwargs, in_optimizer, stack_traces=True,
+                                    loss_scaling=plan.loss_scaling)
     step_graph = _lower_model(capture, "training_step", recapture)
 
-    shards = _sharded_state(model, optimizer, capture, settings, rf * processes)
-    update_graph, kind, group_of, flags = _build_update(model, optimizer, capture, shards,
-                                                        unit_scale=ga * rf * processes == 1)
+    shards = _sharded_state(model, optimizer, capture, settings, rf * processes, plan)
+    update = _build_update(model, optimizer, capture, plan, shards,
+                           unit_scale=ga * rf * processes == 1 and not plan.loss_scaling)
+    update_graph = update.graph
     in_bytes = _bytes((t.shape, t.dtype)
                       for t in capture.example_inputs) * ga * rf * di
     program = Program("training", {"training_step": step_graph,
@@ -492,8 +518,8 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
     update_fn = compile_graph(update_graph)
     bar.update(1); bar.close()
     compiled = Compiled(capture, program, target, memory, costs, cycles, step_fn, update_fn,
-                        kind, group_of, flags, time.perf_counter() - t0,
-                        max_grad_norm(optimizer), shards)
+                        plan.kind, update.group_of, update.flags, time.perf_counter() - t0,
+                        plan.max_grad_norm, shards, plan, update.slots, update.layouts)
     compiled.location_settings = settings
     compiled.precision, compiled.rounding = precision, rounding
     return compiled
@@ -570,7 +596,8 @@ def _lower_model(capture, name, recapture):
     each operation (tracing is faster without)."""
     roles = ([(n, "param") for n in capture.param_names]
              + [(n, "buffer") for n in capture.buffer_names]
-             + [(f"input{i}", "input") for i in range(len(capture.example_inputs))])
+             + [(f"input{i}", "input") for i in range(len(capture.example_inputs))]
+             + ([("lossScaling", "hyper")] if capture.loss_scaling else []))
     n_out = capture.n_tensor_outputs
     try:
         return lower(capture.graph, name, roles, n_out)
@@ -585,46 +612,84 @@ def max_grad_norm(optimizer):
     return None if value is None or value == float("inf") else float(value)
 
 
-def _build_update(model, optimizer, capture, shards=None, unit_scale=False):
+@dataclass
+class _Update:
+    graph: object
+    group_of: list
+    flags: list
+    slots: list
+    layouts: list
+
+
+def _build_update(model, optimizer, capture, plan, shards=None, unit_scale=False):
     """The optimizer-update graph for ``optimizer`` over the trainable params.
 
     A parameter in ``shards`` (name -> R) is updated as one replica's shard:
     a flat tensor of ceil(numel / R) elements.  ``unit_scale``: one
-    micro-batch per update on one replica, so gradients need no scaling."""
+    micro-batch per update on one replica and no loss scaling, so gradients
+    need no scaling."""
+    from ..capture.trace import ParamUpdate
     shards = shards or {}
-    kind = opt_rules.optimizer_kind(optimizer)
-    group_index, flags = {}, []
+    group_index = {}
     for gi, group in enumerate(optimizer.param_groups):
-        flags.append(opt_rules.group_settings(kind, group)[1])
         for p in group["params"]:
             group_index[id(p)] = gi
     params = dict(model.named_parameters())
     names = capture.trainable_names
     group_of = [group_index[id(params[n])] for n in names]
-    shapes = [(-(-params[n].numel() // shards[n]),) if n in shards else tuple(params[n].shape)
-              for n in names]
-    update_fx = capture_update(kind, shapes, group_of, flags, max_grad_norm(optimizer),
-                               unit_scale)
-    state_names, hyper_names, _ = opt_rules.RULES[kind]
-    roles = ([(n, "param") for n in names] + [(f"grad/{n}", "accumulator") for n in names]
-             + [(f"{s}/{n}", "state") for n in names for s in state_names]
+    slots, layouts = [], []
+    for n, grp in zip(names, group_of):
+        p = params[n]
+        shape = (-(-p.numel() // shards[n]),) if n in shards else tuple(p.shape)
+        read, written = opt_rules.slots(plan.kind, plan.group_flags(grp))
+        slots.append((read, written))
+        layouts.append(ParamUpdate(
+            shape, p.dtype, opt_rules.grad_dtype(plan, p.dtype), grp,
+            tuple((s.name, opt_rules.slot_dtype(plan, s, p.dtype)) for s in read),
+            tuple((s.name, opt_rules.slot_dtype(plan, s, p.dtype)) for s in written)))
+    n_groups = len(optimizer.param_groups)
+    update_fx = capture_update(plan, layouts, n_groups, unit_scale)
+    grad = "velocity" if plan.into_state else "grad"     # SGD1: the combined tensor
+    roles = ([(n, "param") for n in names] + [(f"{grad}/{n}", "accumulator") for n in names]
+             + [(f"{s.name}/{n}", "state") for n, (read, _) in zip(names, slots)
+                for s in read]
              + [(f"step/{n}", "state") for n in names]
-             + [(f"hyper/{g}/{h}", "hyper") for g in range(len(flags)) for h in hyper_names]
+             + [(f"hyper/{g}/{h}", "hyper") for g in range(n_groups) for h in plan.hyper]
+             + [(f"hyper/{h}", "hyper") for h in plan.globals]
              + [("grad_scale", "hyper")])
     graph = lower(update_fx, "optimizer_update", roles)
     graph.outputs_overwrite_inputs = True     # variables are updated in place
-    return graph, kind, group_of, flags
+    return _Update(graph, group_of, [plan.group_flags(g) for g in range(n_groups)],
+                   slots, layouts)
 
 
-def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False):
-    """Re-traces only the optimizer update, for a new optimizer type or flags."""
+def check_loss_scaling(compiled, plan):
+    """The step graph is kept when the update changes: a new optimizer's loss
+    scaling must be in it, or out of it, as compiled."""
+    if plan.loss_scaling != compiled.capture.loss_scaling:
+        now = "scales" if compiled.capture.loss_scaling else "does not scale"
+        raise Error(
+            "Problem with loss scaling. Can not replace a constant value with a non constant "
+            f"value. (poptorchsim: the compiled training step {now} the loss, and the new "
+            "optimizer's loss_scaling asks the opposite: give it a loss_scaling like the "
+            "compiled optimizer's, or wrap the model again)")
+
+
+def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False, running_mean=False,
+                   auto_loss_scaling=False):
+    """Re-traces only the optimizer update, for a new optimizer type or
+    structure.  The step graph is kept, so the loss scaling must stay in it
+    or out of it as compiled."""
     settings = getattr(compiled, "location_settings", {})
     program = compiled.program
+    _, plan = update_plan(optimizer, program.accumulation, running_mean, auto_loss_scaling)
+    check_loss_scaling(compiled, plan)
     shards = _sharded_state(model, optimizer, compiled.capture, settings,
-                            program.total_replicas)
-    graph, kind, group_of, flags = _build_update(
-        model, optimizer, compiled.capture, shards,
-        unit_scale=program.accumulation * program.total_replicas == 1)
+                            program.total_replicas, plan)
+    update = _build_update(
+        model, optimizer, compiled.capture, plan, shards,
+        unit_scale=program.accumulation * program.total_replicas == 1 and not plan.loss_scaling)
+    graph = update.graph
     program.graphs["optimizer_update"] = graph
     program.sharded_state = set(shards)
     graph.rounding = getattr(compiled, "rounding", None)
@@ -638,8 +703,10 @@ def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False):
         program, compiled.target, amp, variables, allow_oom, settings=settings)
     compiled.shards = shards
     compiled.update_fn = compile_graph(graph)
-    compiled.optimizer_kind, compiled.group_of, compiled.flags = kind, group_of, flags
-    compiled.max_grad_norm = max_grad_norm(optimizer)
+    compiled.optimizer_kind, compiled.group_of, compiled.flags = (plan.kind, update.group_of,
+                                                                  update.flags)
+    compiled.max_grad_norm = plan.max_grad_norm
+    compiled.plan, compiled.slots, compiled.layouts = plan, update.slots, update.layouts
     return compiled
 
 

@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 from .. import enums
 from ..capture import optimizers as opt_rules
 from ..errors import Error
-from ..machine.engine import Engine, OutputCollector
+from ..machine.engine import Accumulation, Engine, OutputCollector
 from ..machine.targets import default_target
 from . import cache, compiler, export, observe
 from .engine_options import allow_out_of_memory, profiling_directory
@@ -71,6 +71,10 @@ class PoplarExecutor:
             mode = enums.OutputMode.Final if training else enums.OutputMode.All
         self._output_mode = mode
         self._observe = observe.Observation(options, mode)    # anchors, cycle count
+        self._opt_settings = None       # the optimizer as the compiled update has it
+        self._attribute_tracker = opt_rules.AttributeTracker(options.relax_optimizer_checks)
+        if training and optimizer is not None:
+            self._adopt_optimizer(optimizer)
 
     # -- properties PopTorch has ------------------------------------------------
     @property
@@ -146,7 +150,7 @@ class PoplarExecutor:
                 out_bytes_fn=out_bytes, synthetic=synthetic, strategy=strategy,
                 auto_round=o.auto_round_num_ipus, locations=o.TensorLocations.settings(),
                 processes=o.Distributed.numProcesses, io_tiles=o.TensorLocations.num_io_tiles,
-                precision=precision)
+                precision=precision, **self._update_options())
         else:
             compiled = self._through_cache(source, compiler.compile_inference,
                 self._user_model, micro[0], micro[1], di=di, rf=rf, target=self._target,
@@ -180,6 +184,10 @@ class PoplarExecutor:
         self._inputs.input_writes = step.input_writes
         self._engine = Engine(compiled.step_fn, compiled.update_fn, self._shard_index(),
                               n_writes=len(step.input_writes))
+        if self._training:
+            self._opt_settings, _ = compiler.update_plan(self._optimizer, ga,
+                                                         **self._update_options())
+            self._configure_update()
         self._observe.attach(compiled, self._engine)
         group = self._weights.group = self._process_group()   # training in several processes
         if group is not None:
@@ -311,35 +319,132 @@ class PoplarExecutor:
         self._require_compiled()
         self._weights.download(self._compiled)
         if self._training:
-            self._weights.optimizer_state_to_host(self._compiled, self._optimizer)
+            self._keep_optimizer_state(self._optimizer)
+
+    # -- the optimizer ---------------------------------------------------------------------
+    def _update_options(self):
+        """What of the options shapes the optimizer update."""
+        t = self._options.Training
+        running = (t.accumulation_and_replication_reduction_type == enums.ReductionType.Mean
+                   and t.meanAccumulationAndReplicationReductionStrategy
+                   == enums.MeanReductionStrategy.Running)
+        return {"running_mean": running, "auto_loss_scaling": bool(t.auto_loss_scaling)}
+
+    def _adopt_optimizer(self, optimizer):
+        """``optimizer`` becomes the model's: its ``state_dict()`` reads the
+        device state from now on, and, before compiling, a float16 gradient
+        accumulator switches the mean reduction to a running mean (PopTorch)."""
+        self._check_running_mean(optimizer)
+        self._attribute_tracker.check(optimizer)
+        if hasattr(optimizer, "_use_on_device"):
+            optimizer._use_on_device(self)
+
+    def _check_running_mean(self, optimizer):
+        if opt_rules.needs_running_mean(optimizer):
+            t = self._options.Training
+            if self._compiled is None:
+                self._options._unfreeze()
+                t.setMeanAccumulationAndReplicationReductionStrategy(
+                    enums.MeanReductionStrategy.Running)
+                self._options._freeze()
+            elif t.meanAccumulationAndReplicationReductionStrategy != \
+                    enums.MeanReductionStrategy.Running:
+                raise ValueError(
+                    "Invalid optimizer: the new optimizer would require changing options."
+                    "Training.meanAccumulationAndReplicationReductionStrategy to "
+                    "poptorch.MeanReductionStrategy.Running but the executable is already "
+                    "compiled.")
+
+    def _configure_update(self):
+        """The engine runs the compiled update the way its plan says: state
+        slots read and written, gradient accumulators' types, running mean,
+        SGD1's accumulation into the velocity."""
+        c, e = self._compiled, self._engine
+        e.update_fn = c.update_fn
+        e.shards = self._shard_index()
+        plan = c.plan
+        e.slot_counts = [(len(read), len(written)) for read, written in c.slots]
+        into = list(range(len(c.slots))) if plan.into_state else []
+        if plan.running_mean or into or any(lay.grad_dtype != lay.dtype for lay in c.layouts):
+            e.accumulation = Accumulation([lay.grad_dtype for lay in c.layouts],
+                                          plan.running_mean, into)
+        else:
+            e.accumulation = None
+
+    def _read_optimizer_state(self, optimizer):
+        """``optimizer.state_dict()`` of the model's optimizer: the device state
+        is read into it."""
+        if optimizer is self._optimizer and self._compiled is not None and self._training:
+            self._keep_optimizer_state(optimizer)
+
+    def _keep_optimizer_state(self, optimizer):
+        """Device -> host: torch's state of ``optimizer``, and for a PopTorch
+        optimizer the device state its ``state_dict()`` returns (a state it
+        was loaded with and has not sent yet goes to the device first)."""
+        if optimizer is self._optimizer:
+            self._send_loaded_optimizer_state()
+        self._weights.optimizer_state_to_host(self._compiled, optimizer)
+        if hasattr(optimizer, "_state_dict"):
+            optimizer._state_dict = self._weights.read_device_state(self._compiled, optimizer)
+            optimizer.ipu_state_is_dirty = optimizer.host_state_is_dirty = False
+
+    def _send_loaded_optimizer_state(self):
+        """A state given to ``optimizer.load_state_dict`` goes to the device
+        before the next run."""
+        if self._training and getattr(self._optimizer, "ipu_state_is_dirty", False):
+            self._weights.write_device_state(self._compiled, self._optimizer)
+
+    def _group_tensor_names(self):
+        """{param group: its first trainable parameter's name}, for PopART's texts."""
+        c = self._compiled
+        names = {}
+        for n, g in zip(c.capture.trainable_names, c.group_of):
+            names.setdefault(g, n)
+        return names
 
     def setOptimizer(self, optimizer):
-        """Uses ``optimizer``'s hyperparameters from the next call on."""
-        opt_rules.optimizer_kind(optimizer)
+        """Uses ``optimizer`` from the next call on.
+
+        A variable attribute (PopTorch's ``variable_attrs``) changes without
+        recompiling; a constant one that changes is refused as PopART refuses
+        it.  A new optimizer object brings its own state.  A different
+        optimizer type re-traces the update graph (PopART refuses this; the
+        simulator allows it, keeping the training step)."""
+        opt_rules.optimizer_type(optimizer)
+        self._check_running_mean(optimizer)     # PopTorch's ValueError comes first
         if self._compiled is None:
+            self._adopt_optimizer(optimizer)
             self._optimizer = optimizer
             return
+        c = self._compiled
+        settings, plan = compiler.update_plan(optimizer, c.program.accumulation,
+                                              **self._update_options())
+        if settings.type == self._opt_settings.type:
+            opt_rules.check_replacement(self._opt_settings, settings,
+                                        self._group_tensor_names())
+        compiler.check_loss_scaling(c, plan)
+        self._adopt_optimizer(optimizer)
         new_object = optimizer is not self._optimizer
         if new_object:
-            self._weights.optimizer_state_to_host(self._compiled, self._optimizer)
-        old = (self._compiled.optimizer_kind, self._compiled.flags,
-               self._compiled.max_grad_norm)
+            old = self._optimizer
+            self._keep_optimizer_state(old)
+            if hasattr(old, "_use_on_device"):
+                old._use_on_device(None)
         self._optimizer = optimizer
-        kind = opt_rules.optimizer_kind(optimizer)
-        flags = [opt_rules.group_settings(kind, g)[1] for g in optimizer.param_groups]
-        if (kind, flags, compiler.max_grad_norm(optimizer)) != old:
+        self._opt_settings = settings
+        if plan != c.plan:
             o = self._options
-            compiler.rebuild_update(self._compiled, self._user_model, optimizer,
+            compiler.rebuild_update(c, self._user_model, optimizer,
                                     amp=o.available_memory_proportion.get("IPU0", 0.6),
-                                    allow_oom=allow_out_of_memory(o))
-            self._engine.update_fn = self._compiled.update_fn
-            self._engine.shards = self._shard_index()
-            self._observe.attach(self._compiled, self._engine)   # anchors read the new update
+                                    allow_oom=allow_out_of_memory(o), **self._update_options())
+            self._configure_update()
+            self._observe.attach(c, self._engine)   # anchors read the new update
             self._load_optimizer_state()
         elif new_object:
             self._load_optimizer_state()
         else:
-            self._weights.load_hyperparameters(self._compiled, self._optimizer)
+            self._weights.load_hyperparameters(c, self._optimizer)
+            self._send_loaded_optimizer_state()
 
     # -- attach / detach ----------------------------------------------------------------
     def attachToDevice(self):
@@ -356,7 +461,7 @@ class PoplarExecutor:
         if not self._attached:
             raise Error("Device is not attached")
         if self._training:      # the weights are on the host after every call
-            self._weights.optimizer_state_to_host(self._compiled, self._optimizer)
+            self._keep_optimizer_state(self._optimizer)
         self._attached = False
 
     def isAttachedToDevice(self):
@@ -371,7 +476,9 @@ class PoplarExecutor:
         has already left them in the user's model, and copying again would
         overwrite weights the user changed since."""
         if self._compiled is not None and self._training and self._attached:
-            self._weights.optimizer_state_to_host(self._compiled, self._optimizer)
+            self._keep_optimizer_state(self._optimizer)
+        if self._training and hasattr(self._optimizer, "_use_on_device"):
+            self._optimizer._use_on_device(None)
         self._compiled = None
         self._attached = False
         self._destroyed = True
@@ -483,6 +590,7 @@ class PoplarExecutor:
             counts[:] = [0, 0]                      # this call's branches only
         self._observe.start(di, ga, rf)
         if self._training:
+            self._send_loaded_optimizer_state()
             result = self._engine.run_training(self._state, inputs, collector, di, ga, rf)
             self._weights.download(self._compiled, fresh=False)
         else:

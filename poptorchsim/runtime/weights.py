@@ -7,7 +7,9 @@ update writes them in place, so nothing is copied back after a call.  The
 optimizer state is held as the compiled update graph reads it (one list of
 slots per trainable parameter, sharded where the program shards it); the
 hyperparameters are float64 device scalars, so a new learning rate needs no
-recompilation.
+recompilation.  The loss scaling is one more device scalar, read by the
+training step (the loss is multiplied by it before the backward pass) and
+folded into ``grad_scale`` (the update divides the gradients by it).
 """
 import torch
 
@@ -22,6 +24,8 @@ class DeviceState:
     n_trainable = 0
     params = buffers = opt_state = steps = hyper = None
     grad_scale = None
+    step_extra = ()             # the training step's extra inputs: the loss scaling
+    combined_scale = None       # per trainable param: SGD1's gradient scale into the velocity
 
 
 def same_memory(a, b):
@@ -92,20 +96,27 @@ class DeviceWeights:
             for replica in self.state.buffers:
                 replica[order.index(name)] = value.clone()
 
+    def _settings(self, optimizer):
+        return opt_rules.read_settings(optimizer, self.options.Training.auto_loss_scaling)
+
     def load_optimizer_state(self, compiled, optimizer):
+        """Host -> device: the optimizer state, from torch's state of each
+        parameter (true values, as torch.optim keeps them) or its initial
+        value; then, if ``optimizer.load_state_dict`` was given a saved device
+        state, that."""
         c = compiled
         st = self.state
         params = dict(self.model.named_parameters())
-        state_names, _, _ = opt_rules.RULES[c.optimizer_kind]
+        settings = self._settings(optimizer)
+        values = [opt_rules.group_values(c.plan, settings, g) for g in range(settings.groups)]
+        ls = opt_rules.loss_scale(settings)
         st.opt_state, st.steps = [], []
-        for n in c.capture.trainable_names:
+        for n, grp, (_, written) in zip(c.capture.trainable_names, c.group_of, c.slots):
             p = params[n]
             torch_state = optimizer.state.get(p, {})
-            slots = []
-            for s in state_names:
-                v = torch_state.get(s)
-                slots.append(v.detach().clone().float() if isinstance(v, torch.Tensor)
-                             else torch.zeros_like(p.detach()))
+            slots = [opt_rules.initial_slot(c.plan, s, p, torch_state, values[grp], grp, ls,
+                                            opt_rules.slot_dtype(c.plan, s, p.dtype))
+                     for s in written]
             step = torch_state.get("step")
             if step is None:
                 step = 1.0 if "momentum_buffer" in torch_state and \
@@ -115,20 +126,106 @@ class DeviceWeights:
             st.opt_state.append(slots)
             st.steps.append(torch.tensor(float(step), dtype=torch.float32))
         self.load_hyperparameters(compiled, optimizer)
+        if getattr(optimizer, "ipu_state_is_dirty", False):
+            self.write_device_state(compiled, optimizer)
 
     def load_hyperparameters(self, compiled, optimizer):
+        """Host -> device: the hyperparameters (float64 scalars), the loss
+        scaling and the gradient scale (the mean reduction and 1 / loss
+        scaling)."""
         o = self.options
-        hyper = []
-        for group in optimizer.param_groups:
-            values, _ = opt_rules.group_settings(compiled.optimizer_kind, group)
-            hyper += [torch.tensor(values[h], dtype=torch.float64)
-                      for h in opt_rules.RULES[compiled.optimizer_kind][1]]
+        plan = compiled.plan
+        settings = self._settings(optimizer)
+        values = [opt_rules.group_values(plan, settings, g) for g in range(settings.groups)]
+        ls = opt_rules.loss_scale(settings)
+        hyper = [torch.tensor(v[h], dtype=torch.float64) for v in values for h in plan.hyper]
+        hyper += [torch.tensor(ls, dtype=torch.float64) for _ in plan.globals]
         self.state.hyper = hyper
         ga = o.Training.gradient_accumulation
         mean = (o.Training.accumulation_and_replication_reduction_type
                 == enums.ReductionType.Mean)
-        replicas = self._replicas() * o.Distributed.numProcesses    # in all processes
-        self.state.grad_scale = torch.tensor(1.0 / (ga * replicas) if mean else 1.0)
+        processes = o.Distributed.numProcesses
+        replicas = self._replicas() * processes    # in all processes
+        mean_factor = 1.0 / (ga * replicas) if mean else 1.0
+        if mean and plan.running_mean:      # a running mean in each process, then summed
+            grad_factor = 1.0 / processes
+        else:
+            grad_factor = mean_factor
+        self.state.grad_scale = torch.tensor(grad_factor / ls if plan.loss_scaling
+                                             else grad_factor)
+        self.state.step_extra = ([torch.tensor(ls, dtype=torch.float32)]
+                                 if compiled.capture.loss_scaling else [])
+        self.state.combined_scale = (
+            [opt_rules.combined_scale(plan, values[g], g, mean_factor, ls)
+             for g in compiled.group_of] if plan.into_state else None)
+
+    # -- state_dict(): the device's optimizer state, PopTorch's way -------------------------
+    def read_device_state(self, compiled, optimizer):
+        """``{"ipu_state": {name: tensor}, "ipu_param": {name: tensor}}``: the
+        device's optimizer state as it holds it (stored types, SGD's velocity
+        scaled), under PopART's names (``Accl___<param>``, ``Accl1___``,
+        ``Accl2___``, ``Accl3___``, ``Step___``), and the hyperparameters."""
+        c = compiled
+        params = dict(self.model.named_parameters())
+        ipu_state = {}
+        for n, (_, written), slots, step in zip(c.capture.trainable_names, c.slots,
+                                                self.state.opt_state, self.state.steps):
+            for s, v in zip(written, slots):
+                v = unshard(v, params[n].shape) if n in c.shards else v
+                ipu_state[s.ipu_name + n] = v.detach().clone()
+            ipu_state["Step___" + n] = step.clone()
+        names = [f"{h}___group{g}" for g in range(len(c.flags)) for h in c.plan.hyper]
+        ipu_param = {name: v.float().clone() for name, v in zip(names, self.state.hyper)}
+        ipu_param["lossScaling"] = torch.tensor(self._device_loss_scale())
+        return {"ipu_state": ipu_state, "ipu_param": ipu_param}
+
+    def _device_loss_scale(self):
+        extra = self.state.step_extra
+        return float(extra[0]) if extra else 1.0
+
+    def write_device_state(self, compiled, optimizer):
+        """The ``ipu_state`` that ``optimizer.load_state_dict`` was given, onto
+        the device (entries it lacks keep their values, as in PopTorch).  The
+        hyperparameters come from the optimizer's param_groups, which
+        ``load_state_dict`` restored."""
+        c = compiled
+        saved = optimizer._state_dict.get("ipu_state") or {}
+        for i, (n, (_, written)) in enumerate(zip(c.capture.trainable_names, c.slots)):
+            for k, s in enumerate(written):
+                v = saved.get(s.ipu_name + n)
+                if not isinstance(v, torch.Tensor):
+                    continue
+                old = self.state.opt_state[i][k]
+                dtype = old[0].dtype if n in c.shards else old.dtype
+                v = v.detach().to(dtype).clone()
+                self.state.opt_state[i][k] = shard(v, c.shards[n]) if n in c.shards else v
+            step = saved.get("Step___" + n)
+            if isinstance(step, torch.Tensor):
+                self.state.steps[i] = step.detach().float().clone()
+        optimizer.ipu_state_is_dirty = False
+
+    def optimizer_state_to_host(self, compiled, optimizer):
+        """Device -> host: torch's state of each parameter (``host_slot``;
+        SGD1's combined tensor as ``velocity``)."""
+        c = compiled
+        params = dict(self.model.named_parameters())
+        # the values the device holds (the optimizer's may have been changed since)
+        n_h = len(c.plan.hyper)
+        values = [dict(zip(c.plan.hyper, (float(v) for v in self.state.hyper[g * n_h:
+                                                                            (g + 1) * n_h])))
+                  for g in range(len(c.flags))]
+        ls = self._device_loss_scale()
+        for n, grp, (_, written), slots, step in zip(
+                c.capture.trainable_names, c.group_of, c.slots, self.state.opt_state,
+                self.state.steps):
+            p = params[n]
+            entry = optimizer.state[p]
+            for s, v in zip(written, slots):
+                v = unshard(v, p.shape) if n in c.shards else v
+                key, value = opt_rules.host_slot(c.plan, s, v, values[grp], grp, ls)
+                entry[key] = value
+            if c.plan.kind not in ("sgd", "sgd_combined"):
+                entry["step"] = step.clone()
 
     def download(self, compiled, fresh=True):
         """Device -> host: weights and buffers.  ``fresh``: look the host
@@ -150,15 +247,3 @@ class DeviceWeights:
         m = self.model
         m._poptorchsim_version = getattr(m, "_poptorchsim_version", 0) + 1
         self.uploaded_version = m._poptorchsim_version
-
-    def optimizer_state_to_host(self, compiled, optimizer):
-        c = compiled
-        params = dict(self.model.named_parameters())
-        state_names, _, _ = opt_rules.RULES[c.optimizer_kind]
-        for n, slots, step in zip(c.capture.trainable_names, self.state.opt_state,
-                                  self.state.steps):
-            entry = optimizer.state[params[n]]
-            for s, v in zip(state_names, slots):
-                entry[s] = (unshard(v, params[n].shape) if n in c.shards else v).clone()
-            if c.optimizer_kind != "sgd":
-                entry["step"] = step.clone()

@@ -6,7 +6,8 @@ poprun (python -m poptorchsim.run) gives this process.
 
 Process 0 saves the final state_dict to OUT.  With ``die``, process 1
 exits abruptly (``os._exit(3)``) on its second step while process 0 waits
-for its gradients.
+for its gradients.  ``TRAIN_SMALL_OPTIMIZER`` picks the optimizer
+(``OPTIMIZERS``; Adam by default).
 """
 import os
 import sys
@@ -31,6 +32,22 @@ class Small(nn.Module):
         return out, self.loss(out, labels)
 
 
+OPTIMIZERS = {
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    # SGD1: the micro-batch gradients go straight into the velocity
+    "sgd_combined": lambda p: poptorch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3,
+                                                 use_combined_accum=True, velocity_scaling=4.0,
+                                                 loss_scaling=8.0),
+    # a float16 gradient accumulator: a running mean in each process
+    "adam_fp16_accum": lambda p: poptorch.optim.Adam(p, lr=1e-2, accum_type=torch.float16,
+                                                     loss_scaling=16.0),
+}
+
+
+def make_optimizer(params):
+    return OPTIMIZERS[os.environ.get("TRAIN_SMALL_OPTIMIZER", "adam")](params)
+
+
 def dataset():
     g = torch.Generator().manual_seed(1)
     return torch.utils.data.TensorDataset(torch.randn(SAMPLES, 6, generator=g),
@@ -46,7 +63,7 @@ def main():
     opts.Training.gradientAccumulation(GA)
     opts.showCompilationProgressBar(False)
     loader = poptorch.DataLoader(opts, dataset(), batch_size=MICRO)
-    tm = poptorch.trainingModel(model, opts, torch.optim.Adam(model.parameters(), lr=1e-2))
+    tm = poptorch.trainingModel(model, opts, make_optimizer(model.parameters()))
     pid = opts.Distributed.processId
     for step, (x, labels) in enumerate(loader):
         if mode == "die" and pid == 1 and step == 1:
