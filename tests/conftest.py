@@ -7,6 +7,7 @@ each device iteration is one optimizer step whose gradient is the mean over
 the ``ga * rf`` micro-batches' gradients.
 """
 import copy
+import logging
 
 import pytest
 import torch
@@ -16,6 +17,22 @@ import poptorchsim
 
 RTOL = 1e-5
 ATOL = 1e-6
+
+
+class LogRecords(logging.Handler):
+    """Keeps what a logger emits while attached: messages and level names."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages, self.levels = [], []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+        self.levels.append(record.levelname)
+
+    @property
+    def text(self):
+        return "".join(self.messages)
 
 
 def quiet_options():

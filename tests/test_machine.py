@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 import poptorchsim as poptorch
+from conftest import LogRecords
 from poptorchsim.machine.targets import BOW, MK1, MK2, TEST_IPU, default_target
 
 
@@ -82,20 +83,12 @@ def test_out_of_memory_message_names_the_largest_tensors():
     assert re.search(r"Largest tensors there: [\w./]+ \(\d+ B\)", str(info.value))
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
 
 def test_allow_out_of_memory_finishes_compilation():
     model = Regression(6000, 6000)
     opts = quiet().useIpuModelVersion("ipu1")
     opts._Popart.setEngineOptions({"debug.allowOutOfMemory": "true"})
-    records = _Records()
+    records = LogRecords()
     logger = logging.getLogger("poptorchsim")
     logger.addHandler(records)
     try:

@@ -12,7 +12,7 @@ import torch
 
 import poptorchsim
 from conftest import (ClassifierWithLoss, assert_state_close, classification_batch,
-                      quiet_options, reference_call)
+                      quiet_options, reference_call, LogRecords)
 
 optim = poptorchsim.optim
 
@@ -280,19 +280,10 @@ def test_separate_sgd_keeps_its_velocity_multiplied_by_the_loss_scaling():
     torch.testing.assert_close(device, 64.0 * opt.state[model.fc1.weight]["momentum_buffer"])
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages, self.levels = [], []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-        self.levels.append(record.levelname)
-
 
 def test_velocity_scaling_is_for_the_combined_variant():
     model = ClassifierWithLoss()
-    records = _Records()
+    records = LogRecords()
     logging.getLogger("poptorchsim").addHandler(records)
     try:
         opt = optim.SGD(model.parameters(), lr=0.1, velocity_scaling=8.0)
@@ -742,7 +733,7 @@ def test_unexpected_optimizer_attributes_are_reported_once(relax):
     tm = poptorchsim.trainingModel(model, quiet_options().relaxOptimizerAttributesChecks(relax),
                                    opt)
     tm(*classification_batch(4))
-    records = _Records()
+    records = LogRecords()
     records.setLevel(logging.DEBUG)
     log = logging.getLogger("poptorchsim")
     level = log.level

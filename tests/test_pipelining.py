@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 import poptorchsim as poptorch
+from conftest import LogRecords
 from poptorchsim.passes.pipeline import schedule
 
 
@@ -73,20 +74,12 @@ def test_inference_needs_device_iterations_of_n():
     assert ok(batch(8)[0]).shape == (8, 4)
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
 
 def test_ipu_count_that_hardware_rounds_up_runs_with_a_warning():
     """PopTorch refuses 3 IPUs only on hardware (it reserves powers of 2);
     the IPU Model and offline targets compile them, as the simulator does,
     saying what hardware would need."""
-    records = _Records()
+    records = LogRecords()
     logging.getLogger("poptorchsim").addHandler(records)
     try:
         for rounding in (False, True):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import poptorchsim as poptorch
+from conftest import LogRecords
 from poptorchsim.machine.precision import stochastic_round
 
 HALF = torch.float16
@@ -160,20 +161,12 @@ def test_half_partials_cost_less_memory_and_cycles():
     assert ch.exchange + ch.compute < cf.exchange + cf.compute
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.text = ""
-
-    def emit(self, record):
-        self.text += record.getMessage()
-
 
 def test_half_float_casting_as_poptorch():
     assert [(m.name, m.value) for m in poptorch.HalfFloatCastingBehavior] == [
         ("FloatDowncastToHalf", 0), ("HalfUpcastToFloat", 1), ("Default", 2)]
     opts = poptorch.Options()
-    records = _Records()
+    records = LogRecords()
     logging.getLogger("poptorchsim").addHandler(records)
     try:
         assert opts.Precision.halfFloatCasting(
