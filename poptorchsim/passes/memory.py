@@ -194,6 +194,16 @@ def _vertex_state(op, tiles):
     return used * VERTEX_STATE_BYTES
 
 
+def _op_memory(op, cost, tiles, ipu):
+    """(temporary, always-live) bytes per tile of one op: its own temporary
+    buffers and vertex state, plus those of the sub-graphs it holds."""
+    temp, state = cost.temp_bytes, _vertex_state(op, tiles)
+    if cost.parts:
+        body, nested = _subgraph_memory(op, cost, tiles, ipu)
+        temp, state = temp + body, state + nested
+    return temp, state
+
+
 def _subgraph_memory(op, cost, tiles, ipu):
     """(temporary, always-live) bytes per tile of a loop's body or a
     conditional's branches: while it runs, the op holds the peak of a
@@ -206,12 +216,9 @@ def _subgraph_memory(op, cost, tiles, ipu):
         parts = cost.parts[name]
         temps = np.zeros((len(sub.ops), tiles))
         for k, (inner, c) in enumerate(zip(sub.ops, parts)):
-            temps[k] += c.temp_bytes
-            state += _vertex_state(inner, tiles)
-            if c.parts:
-                body, nested = _subgraph_memory(inner, c, tiles, ipu)
-                temps[k] += body
-                state += nested
+            temp_k, state_k = _op_memory(inner, c, tiles, ipu)
+            temps[k] += temp_k
+            state += state_k
         usage = _live_usage(sub, tiles, temps, ipu)[0]
         if len(usage):
             temp = np.maximum(temp, usage.max(axis=0))
@@ -268,12 +275,9 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None):
         for k, (op, cost) in enumerate(zip(graph.ops, costs[graph.name])):
             if op.ipu != ipu:
                 continue
-            temps[k] += cost.temp_bytes
-            always += _vertex_state(op, tiles)
-            if cost.parts:
-                body, state = _subgraph_memory(op, cost, tiles, ipu)
-                temps[k] += body
-                always += state
+            temp_k, state_k = _op_memory(op, cost, tiles, ipu)
+            temps[k] += temp_k
+            always += state_k
         op_phase = (np.array([phased[op.stage] for op in graph.ops], dtype=np.int64)
                     if phased else None)
         for t in graph.inputs:          # off-chip variables this graph loads
