@@ -23,15 +23,22 @@ def _innermost(t):
     return t
 
 
-def annotate(tensor, key, value):
+def _traced_node(tensor):
+    """The fx node that made ``tensor`` in the trace under way, or None
+    (not tracing, or a tensor the trace did not make)."""
     mode = proxy_tensor.get_proxy_mode()
     if mode is None:
+        return None
+    proxy = proxy_tensor.get_proxy_slot(_innermost(tensor), mode.tracer, None,
+                                        lambda slot: slot.proxy)
+    return None if proxy is None else proxy.node
+
+
+def annotate(tensor, key, value):
+    node = _traced_node(tensor)
+    if node is None:
         return False
-    inner = _innermost(tensor)
-    proxy = proxy_tensor.get_proxy_slot(inner, mode.tracer, None, lambda slot: slot.proxy)
-    if proxy is None:
-        return False
-    proxy.node.meta[key] = value
+    node.meta[key] = value
     return True
 
 
@@ -39,15 +46,10 @@ def annotate_producer(tensor, key, value):
     """``annotate`` on the op that computed ``tensor``, looking through the
     views after it (``torch.matmul`` of 3-D by 2-D tensors traces as a
     view, an ``mm`` and a view back)."""
-    mode = proxy_tensor.get_proxy_mode()
-    if mode is None:
-        return False
     from ..ir.ops import cost_class
-    inner = _innermost(tensor)
-    proxy = proxy_tensor.get_proxy_slot(inner, mode.tracer, None, lambda slot: slot.proxy)
-    if proxy is None:
+    node = _traced_node(tensor)
+    if node is None:
         return False
-    node = proxy.node
     while node.op == "call_function" and node.args and \
             isinstance(node.args[0], torch.fx.Node) and cost_class(node.target) == "view":
         node = node.args[0]
