@@ -348,6 +348,18 @@ def _plan_matmul(op, target, amp, outs, item, cost):
     return _plan_matmul_plain(op, target, amp, outs, item, cost)
 
 
+def _amp_rate(target, item, partial_item):
+    """AMP multiply-accumulates per tile per cycle: fp32 operands, or fp16
+    ones with fp16 partials (``partial_item`` 2) or float partials (any
+    other; Poplar's default), which run at half the rate on Mk2
+    (``Target.amp_macs_fp16_float_partials``, ipu-facts §1b)."""
+    if item != 2:
+        return target.amp_macs_fp32
+    if partial_item == 2:
+        return target.amp_macs_fp16
+    return target.amp_macs_fp16_float_partials or target.amp_macs_fp16
+
+
 def _matmul_on_tiles(macs, k_ch, o_ch, operand_bytes, out_elems, item, extra, target, amp,
                      cost, partial_item=None, min_serial=1):
     """A matmul of ``macs`` multiply-accumulates spread over P tiles, splitting
@@ -365,7 +377,7 @@ def _matmul_on_tiles(macs, k_ch, o_ch, operand_bytes, out_elems, item, extra, ta
     k_ch, o_ch = max(1, int(k_ch)), max(1, int(o_ch))
     fill = (min(k_ch, AMP_IN_GROUP) / _ceil_to(min(k_ch, AMP_IN_GROUP), AMP_IN_GROUP)
             * o_ch / _ceil_to(o_ch, AMP_OUT_GROUP))
-    amp_rate = target.amp_macs_fp16 if item == 2 else target.amp_macs_fp32
+    amp_rate = _amp_rate(target, item, partial_item)
     rate = max(_vector_rate(target) / item, amp_rate * fill)   # vector MACs as a floor
     p = int(max(1, min(tiles, macs // MIN_MACS_PER_TILE)))
     p_out = int(max(1, min(p, -(-out_elems // OUTPUT_GRAIN))))
@@ -421,7 +433,7 @@ def _serialized_matmul(op, serialization, target, amp, outs, item, cost):
         rhs_b, out_elems, o_ch = rhs_b / factor, out_elems / factor, o_ch / factor
     extra = EXTRA_SUPERSTEPS.get(name, DEFAULT_EXTRA_SUPERSTEPS)
     piece = _matmul_on_tiles(macs / factor, k_ch, o_ch, [lhs_b, rhs_b], int(out_elems), item,
-                             extra, target, amp, OpCost())
+                             extra, target, amp, OpCost(), _partials_item(op, item))
     cost.macs, cost.flops = macs, 2 * macs
     cost.compute, cost.exchange = piece.compute * factor, piece.exchange * factor
     cost.sync = piece.sync * factor

@@ -40,7 +40,7 @@ class Target:
     bytes_per_tile: int
     clock_hz: float
     amp_macs_fp32: int          # multiply-accumulates per tile per cycle, fp32
-    amp_macs_fp16: int
+    amp_macs_fp16: int          # fp16 operands, fp16 partials (16.16)
     vector_bytes: int           # bytes a tile's vector unit handles per cycle
     workers: int
     exchange_bytes_per_cycle: int   # bytes a tile receives per cycle
@@ -62,6 +62,15 @@ class Target:
     # Tiles set aside for host IO (Options.TensorLocations.numIOTiles): they
     # are not counted in ``tiles``, which are the compute tiles.
     io_tiles: int = 0
+    # fp16 operands accumulating float partials (16.32), MACs per tile per
+    # cycle; 0: as fast as fp16 partials.  ipu-facts §1b gives the fp16 AMP
+    # rate (Mk2 64 = 16 conv units x 4 halves; Mk1 32 = 8 x 4, both partials
+    # types: poplibs cba27e0c has fp16InFp16Out = fp16InFp32Out = 8 units).
+    # On Mk2 the fp16-in fp32-out units are limited by the 64-bit store path:
+    # poplibs tools/single_conv_layer.cpp sets fp16InFp32OutConvUnitsPerTile =
+    # min(fp16InFp16Out units, pipeline depth 4 x fp32 stored per cycle 2) = 8,
+    # so float partials get half the MACs: 8 x 4 = 32.
+    amp_macs_fp16_float_partials: int = 0
 
     @property
     def total_bytes(self):
@@ -72,13 +81,14 @@ class Target:
 
 
 MK2 = Target("Mk2", tiles=1472, bytes_per_tile=638_976, clock_hz=1.33e9,
-             amp_macs_fp32=16, amp_macs_fp16=64, vector_bytes=8, workers=6,
+             amp_macs_fp32=16, amp_macs_fp16=64, amp_macs_fp16_float_partials=32,
+             vector_bytes=8, workers=6,
              exchange_bytes_per_cycle=4, sync_cycles=150,
              link_bytes_per_s=32e9, links=10,
              host_bytes_per_s=16e9, host_latency_s=HOST_COPY_LATENCY_S, call_overhead_s=CALL_OVERHEAD_S)
 
 MK1 = replace(MK2, name="Mk1", tiles=1216, bytes_per_tile=262_144, clock_hz=1.6e9,
-              amp_macs_fp32=8, amp_macs_fp16=32,
+              amp_macs_fp32=8, amp_macs_fp16=32, amp_macs_fp16_float_partials=32,
               link_bytes_per_s=128 / 8 * 1024 ** 3 * 0.85)
 
 BOW = replace(MK2, name="Bow", clock_hz=1.85e9, link_bytes_per_s=64e9)

@@ -32,6 +32,7 @@ class MemoryReport:
     # replica keeps in Streaming Memory.
     saved: dict = field(default_factory=dict)
     streaming_bytes: int = 0
+    dtypes: dict = field(default_factory=dict)      # variable -> dtype name ("float16")
 
     @property
     def saved_per_tile(self):
@@ -51,7 +52,12 @@ class MemoryReport:
         """(bytes, name) of the largest tensors on ``tile`` at its fullest moment:
         the always-live variables, and the buffers live at the peak op of the
         graph that fills the tile most."""
-        found = [(int(v[tile]), k) for k, v in self.by_tensor.items() if v[tile]]
+        return [(b, name) for name, _, b in self.tensors_on(tile, n)]
+
+    def tensors_on(self, tile, n=5):
+        """``largest_on`` with each tensor's dtype: (name, dtype name, bytes)."""
+        found = [(int(v[tile]), k, self.dtypes.get(k, "")) for k, v in self.by_tensor.items()
+                 if v[tile]]
         worst = max(self.graphs.items(), key=lambda kv: kv[1][0][:, tile].max()
                     if len(kv[1][0]) else -1, default=None)
         if worst is not None and len(worst[1][0]):
@@ -60,8 +66,27 @@ class MemoryReport:
             for alive, t in zip(live[k], buffers):
                 nbytes = int(t.mapping.bytes_per_tile(len(self.total))[tile]) if alive else 0
                 if nbytes:
-                    found.append((nbytes, f"{name}/{t.name}"))
-        return sorted(found, key=lambda f: (-f[0], f[1]))[:n]
+                    found.append((nbytes, f"{name}/{t.name}", dtype_name(t.dtype)))
+        return [(k, d, b) for b, k, d in sorted(found, key=lambda f: (-f[0], f[1]))[:n]]
+
+    def tensors(self):
+        """The always-live variables on this IPU: (name, dtype name, bytes
+        over all tiles), largest first."""
+        rows = [(k, self.dtypes.get(k, ""), int(v.sum())) for k, v in self.by_tensor.items()]
+        return sorted(rows, key=lambda r: (-r[2], r[0]))
+
+    def bytes_by_dtype(self):
+        """Always-live variable bytes over all tiles per dtype name, largest
+        first (code and vertex state are not tensors and are left out)."""
+        totals = {}
+        for _, dtype, nbytes in self.tensors():
+            totals[dtype] = totals.get(dtype, 0) + nbytes
+        return dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def dtype_name(dtype):
+    """``torch.float16`` -> "float16"."""
+    return str(dtype).replace("torch.", "")
 
 
 def graph_liveness_profile(graph, tiles):
@@ -294,7 +319,8 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None):
         if len(usage):
             peak = np.maximum(peak, usage.max(axis=0).astype(np.int64))
     return MemoryReport(target.bytes_per_tile, always, peak, by_tensor, graphs, ipu,
-                        saved, streaming)
+                        saved, streaming,
+                        {name: dtype_name(variables[name].dtype) for name in by_tensor})
 
 
 def variable_phases(program):

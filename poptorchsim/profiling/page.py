@@ -1,8 +1,8 @@
 """The report as one self-contained HTML page (plots are the PNGs beside it)."""
 from html import escape
 
-from .text import (fit_line, fmt_bytes, fmt_count, fmt_seconds, fullest_tiles, locations_lines,
-                   op_label)
+from .text import (dtype_line, fit_line, fmt_bytes, fmt_count, fmt_seconds, fullest_tiles,
+                   locations_lines, op_label)
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto;
@@ -97,18 +97,21 @@ def render(report, images, missing_plots=None, top_ops=20):
                  "state, code, stream buffers); not-always-live memory is each tile's peak "
                  "of intermediate tensors and temporary buffers while a graph runs.</p>")
     image("memory", "memory per tile")
+    by_dtype = mem.get("always_live_by_dtype") or {}
+    if by_dtype:
+        parts.append(f"<p>Always-live variables by dtype: {escape(dtype_line(report))}.</p>")
     loc = report.get("tensor_locations") or {}
     if loc.get("variables"):
         parts.append("<h2>Tensor locations</h2>")
         parts.append(f"<p>{escape(locations_lines(report)[-1])}.</p>")
         parts.append(_table(
-            ["variable", "kind", "elements", "shards", "location", "on chip per replica",
-             "saved per replica"],
-            [(r["name"], r["kind"], fmt_count(r["elements"]), r["shards"],
+            ["variable", "dtype", "kind", "elements", "shards", "location",
+             "on chip per replica", "saved per replica"],
+            [(r["name"], r.get("dtype", ""), r["kind"], fmt_count(r["elements"]), r["shards"],
               "Streaming Memory" if r["off_chip"] else "on chip",
               fmt_bytes(r["on_chip_bytes_per_replica"]),
               fmt_bytes(r["saved_bytes_per_replica"])) for r in loc["variables"]],
-            numeric=(2, 3, 5, 6)))
+            numeric=(3, 4, 6, 7)))
     fullest = fullest_tiles(report, 10)
     parts.append(_table(["tile", "always-live", "not-always-live", "total", "% of capacity"],
                         [(t, fmt_bytes(mem["always_live"][t]),
@@ -116,22 +119,28 @@ def render(report, images, missing_plots=None, top_ops=20):
                           f"{100 * b / cap:.1f}%") for t, b in fullest],
                         numeric=(0, 1, 2, 3, 4)))
     parts.append(f"<h2>Largest tensors on the peak tile ({mem['peak_tile']})</h2>")
-    parts.append(_table(["tensor", "bytes on the tile", "% of capacity"],
-                        [(name, fmt_count(b), f"{100 * b / cap:.1f}%")
-                         for name, b in mem["largest_on_peak_tile"]], numeric=(1, 2)))
+    tensors = mem.get("peak_tile_tensors") or [
+        {"name": name, "dtype": "", "bytes": b} for name, b in mem["largest_on_peak_tile"]]
+    parts.append(_table(["tensor", "dtype", "bytes on the tile", "% of capacity"],
+                        [(r["name"], r["dtype"], fmt_count(r["bytes"]),
+                          f"{100 * r['bytes'] / cap:.1f}%") for r in tensors],
+                        numeric=(2, 3)))
 
     ops = report["ops"][:top_ops]
     parts.append(f"<h2>Costliest ops ({len(ops)} of {len(report['ops'])})</h2>")
     image("cycles_by_op", "cycles per call of the costliest ops")
     parts.append(_table(
-        ["#", "op", "ATen op", "class", "output shape", "compute", "exchange", "sync",
-         "cycles per run", "runs per call", "cycles per call", "share"],
+        ["#", "op", "ATen op", "class", "output shape", "dtype", "rounding", "role",
+         "compute", "exchange", "sync", "cycles per run", "runs per call", "cycles per call",
+         "share"],
         [(i + 1, op_label(op), op["op"], op["class"], "x".join(map(str, op["shape"])),
+          op.get("dtype", ""), op.get("rounding", ""), op.get("role", ""),
           fmt_count(op["compute"]), fmt_count(op["exchange"]), fmt_count(op["sync"]),
           fmt_count(op["cycles"]), op["calls_per_call"], fmt_count(op["cycles_per_call"]),
           f"{100 * op['cycles_per_call'] / total:.1f}%") for i, op in enumerate(ops)],
-        numeric=(0, 5, 6, 7, 8, 9, 10, 11)))
+        numeric=(0, 8, 9, 10, 11, 12, 13, 14)))
 
+    _precision_section(report, parts)
     parts.append("<h2>Liveness</h2>")
     image("liveness", "live bytes over the program")
     pipe = report.get("pipeline") or {}
@@ -147,3 +156,24 @@ def render(report, images, missing_plots=None, top_ops=20):
         image("timeline", "pipeline timeline per IPU")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _precision_section(report, parts):
+    """How the ops round (counts) and every op with a role (loss scaling,
+    gradient unscale, ...), whatever its cost."""
+    counts = {}
+    for op in report["ops"]:
+        if op.get("rounding"):
+            counts[op["rounding"]] = counts.get(op["rounding"], 0) + 1
+    roles = [op for op in report["ops"] if op.get("role")]
+    if not counts and not roles:
+        return
+    parts.append("<h2>Precision</h2>")
+    if counts:
+        parts.append("<p>Ops by rounding of their result: " + escape(", ".join(
+            f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))) + ".</p>")
+    if roles:
+        parts.append(_table(["op", "role", "ATen op", "dtype", "rounding", "cycles per call"],
+                            [(op_label(op), op["role"], op["op"], op.get("dtype", ""),
+                              op.get("rounding", ""), fmt_count(op["cycles_per_call"]))
+                             for op in roles], numeric=(5,)))

@@ -78,6 +78,13 @@ def locations_lines(report):
             "per call"]
 
 
+def dtype_line(report):
+    """Always-live variable bytes per dtype ("float16 12 KiB, float32 3 KiB"),
+    or "" when the report has none."""
+    by = report["memory"].get("always_live_by_dtype") or {}
+    return ", ".join(f"{d or '?'} {fmt_bytes(b)}" for d, b in by.items())
+
+
 def summary(report, top=5):
     """A few readable lines: model, target, memory, the costliest ops, throughput."""
     mem, cyc, target = report["memory"], report["cycles"], report["target"]
@@ -94,6 +101,8 @@ def summary(report, top=5):
     ]
     for tile, nbytes in fullest_tiles(report, top):
         lines.append(f"    tile {tile:>5}  {fmt_bytes(nbytes):>10}  {100 * nbytes / cap:6.1f}%")
+    if dtype_line(report):
+        lines.append(f"  always-live variables by dtype: {dtype_line(report)}")
     per_call = cyc["per_call"]
     total = per_call["total"] or 1.0
     split = ", ".join(f"{k} {100 * per_call[k] / total:.0f}%"
@@ -117,21 +126,27 @@ def summary(report, top=5):
 
 
 def op_table(report):
-    """Every ATen operation the compiled model uses, once per operation: how
-    many times the program holds it, its cost class, and its cycles per call
-    (all ops of that kind together), costliest first."""
+    """Every ATen operation the compiled model uses, once per operation,
+    output dtype, rounding and role (loss scaling, gradient unscale, ...):
+    how many times the program holds it, its cost class, and its cycles per
+    call (all ops of that kind together), costliest first."""
     per_call = report["cycles"]["per_call"]["total"] or 1.0
     rows = {}
     for op in report["ops"]:
-        row = rows.setdefault(op["op"], {"op": op["op"], "class": op["class"], "count": 0,
-                                         "cycles_per_call": 0.0})
+        key = (op["op"], op.get("dtype", ""), op.get("rounding", ""), op.get("role", ""))
+        row = rows.setdefault(key, {"op": op["op"], "class": op["class"], "dtype": key[1],
+                                    "rounding": key[2], "role": key[3] or "-", "count": 0,
+                                    "cycles_per_call": 0.0})
         row["count"] += 1
         row["cycles_per_call"] += op["cycles_per_call"]
     rows = sorted(rows.values(), key=lambda r: -r["cycles_per_call"])
     width = max([len(r["op"]) for r in rows] + [len("operation")])
-    lines = [f"{'operation':<{width}}  {'class':<14} {'uses':>5}  {'cycles per call':>15}  share"]
+    role_w = max([len(r["role"]) for r in rows] + [len("role")])
+    lines = [f"{'operation':<{width}}  {'class':<14} {'dtype':<8} {'rounding':<13} "
+             f"{'role':<{role_w}} {'uses':>5}  {'cycles per call':>15}  share"]
     for r in rows:
-        lines.append(f"{r['op']:<{width}}  {r['class']:<14} {r['count']:>5}  "
+        lines.append(f"{r['op']:<{width}}  {r['class']:<14} {r['dtype']:<8} "
+                     f"{r['rounding']:<13} {r['role']:<{role_w}} {r['count']:>5}  "
                      f"{fmt_count(r['cycles_per_call']):>15}  "
                      f"{100 * r['cycles_per_call'] / per_call:5.1f}%")
     return "\n".join(lines)

@@ -22,7 +22,7 @@ from ..machine.engine import compile_graph
 from .precision import apply as apply_precision, float_statistics_forward
 from ..machine.targets import with_io_tiles
 from ..passes import locations as tensor_locations
-from ..passes.lower import NoActiveBlockError, lower
+from ..passes.lower import NoActiveBlockError, lower, mark_role
 from ..passes.memory import check_fits, plan_memory
 from ..passes.pipeline import input_ipus
 from ..passes.tile_mapping import map_graph
@@ -599,11 +599,14 @@ def _lower_model(capture, name, recapture):
              + [(f"input{i}", "input") for i in range(len(capture.example_inputs))]
              + ([("lossScaling", "hyper")] if capture.loss_scaling else []))
     n_out = capture.n_tensor_outputs
+    graph = None
     try:
-        return lower(capture.graph, name, roles, n_out)
+        graph = lower(capture.graph, name, roles, n_out)
     except (UnsupportedOperationError, NoActiveBlockError):
         pass
-    return lower(recapture().graph, name, roles, n_out)
+    if graph is None:
+        graph = lower(recapture().graph, name, roles, n_out)
+    return mark_role(graph, "lossScaling", "loss scaling") if capture.loss_scaling else graph
 
 
 def max_grad_norm(optimizer):
@@ -657,7 +660,8 @@ def _build_update(model, optimizer, capture, plan, shards=None, unit_scale=False
              + [(f"hyper/{g}/{h}", "hyper") for g in range(n_groups) for h in plan.hyper]
              + [(f"hyper/{h}", "hyper") for h in plan.globals]
              + [("grad_scale", "hyper")])
-    graph = lower(update_fx, "optimizer_update", roles)
+    graph = mark_role(lower(update_fx, "optimizer_update", roles), "grad_scale",
+                      "gradient unscale")
     graph.outputs_overwrite_inputs = True     # variables are updated in place
     return _Update(graph, group_of, [plan.group_flags(g) for g in range(n_groups)],
                    slots, layouts)

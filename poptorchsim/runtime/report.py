@@ -5,7 +5,8 @@ disk as JSON, PNG plots and an HTML page.  Arrays over tiles are lists.
 """
 import numpy as np
 
-from ..passes.memory import graph_liveness_profile
+from ..machine.precision import HALF, rounds_stochastically, uses_half_partials
+from ..passes.memory import dtype_name, graph_liveness_profile
 
 
 def _calls_per_call(program, graph_name):
@@ -14,6 +15,18 @@ def _calls_per_call(program, graph_name):
     if graph_name in ("training_step", "inference_forward"):
         return di * ga
     return di
+
+
+def rounding(op, graph):
+    """How ``op`` rounds its result: "half partials" (a matmul or convolution
+    marked by ``Precision.setPartialsType(torch.half)``), "stochastic" (an
+    fp16 result while ``enableStochasticRounding(True)``), else "nearest"."""
+    if uses_half_partials(op):
+        return "half partials"
+    if getattr(graph, "rounding", None) is not None and rounds_stochastically(op) and \
+            any(t is not None and t.dtype == HALF for t in op.outputs):
+        return "stochastic"
+    return "nearest"
 
 
 def build_report(compiled, name, samples_per_call):
@@ -28,6 +41,8 @@ def build_report(compiled, name, samples_per_call):
             ops.append({
                 "graph": gname, "name": op.name, "op": str(op.target),
                 "class": op.cost_class, "shape": list(out.shape) if out is not None else [],
+                "dtype": dtype_name(out.dtype) if out is not None else "",
+                "rounding": rounding(op, graph), "role": op.attrs.get("role") or "",
                 "compute": cost.compute, "exchange": cost.exchange, "sync": cost.sync,
                 "host": cost.host,
                 "cycles": cost.total, "calls_per_call": times,
@@ -56,7 +71,10 @@ def build_report(compiled, name, samples_per_call):
             "fits": bool(total.max() <= memory.capacity),
             "tiles_over": int((total > memory.capacity).sum()),
             "largest_on_peak_tile": [[n, b] for b, n in memory.largest_on(peak_tile, 10)],
+            "peak_tile_tensors": [{"name": n, "dtype": d, "bytes": b}
+                                  for n, d, b in memory.tensors_on(peak_tile, 10)],
             "always_live_bytes": int(memory.always_live.sum()),
+            "always_live_by_dtype": memory.bytes_by_dtype(),
             "saved_per_tile": memory.saved_per_tile.tolist(),
         },
         "replication": {"replicas": program.total_replicas, "processes": program.processes,
@@ -87,7 +105,9 @@ def _locations(program, memory):
     """Variables sharded across replicas or kept in Streaming Memory, and
     what that saves on chip (IPU 0 of a replica)."""
     saved = memory.saved_per_tile
-    rows = [{"name": name, "kind": loc.kind, "elements": loc.numel, "shards": loc.shards,
+    dtypes = {t.name: dtype_name(t.dtype) for g in program.graphs.values() for t in g.inputs}
+    rows = [{"name": name, "dtype": dtypes.get(name, ""), "kind": loc.kind,
+             "elements": loc.numel, "shards": loc.shards,
              "off_chip": loc.off_chip, "bytes": loc.nbytes,
              "on_chip_bytes_per_replica": loc.on_chip_bytes,
              "saved_bytes_per_replica": loc.saved_bytes}
