@@ -275,8 +275,9 @@ _AMP_CLASSES = ("matmul", "conv", "rnn")       # ops the AMP units run
 def _scoped(op, node):
     """What the scopes around ``node``'s trace say of its op
     (``capture/scopes.py``): ``NameScope`` prefixes its name,
-    ``Attribute`` and ``MultiConv`` give it attributes, and so does
-    ``serializedMatMul`` (an annotation, ``capture/annotations.py``)."""
+    ``Attribute`` and ``MultiConv`` give it attributes, and so do
+    ``serializedMatMul`` and ``recomputationCheckpoint`` (annotations,
+    ``capture/annotations.py``)."""
     custom = node.meta.get("custom", {})
     if custom.get("name_scope"):
         op.name = f"{custom['name_scope']}/{op.name}"
@@ -286,6 +287,8 @@ def _scoped(op, node):
         op.attrs["multiconv"] = custom["multiconv"]
     if node.meta.get("serialization") is not None:
         op.attrs["serialization"] = node.meta["serialization"]
+    if node.meta.get("recomputation_checkpoint"):
+        op.attrs["recomputation_checkpoint"] = True     # passes/recompute.py
 
 
 def _saved_state(target, i, node):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import OutOfMemoryError
+from . import recompute
 
 VERTEX_STATE_BYTES = 48        # per op, per tile it runs on
 
@@ -33,12 +34,25 @@ class MemoryReport:
     saved: dict = field(default_factory=dict)
     streaming_bytes: int = 0
     dtypes: dict = field(default_factory=dict)      # variable -> dtype name ("float16")
+    # Recomputation (passes/recompute.py): PopART's RecomputationType name,
+    # the recomputed ops of the training step, and the not-always-live peak
+    # per tile the same program would have without recomputing them.
+    recomputation: str = "None"
+    recomputed_ops: list = field(default_factory=list)
+    not_always_live_without_recomputation: np.ndarray = None
 
     @property
     def saved_per_tile(self):
         """On-chip bytes per tile that tensor locations save."""
         return (sum(self.saved.values()) if self.saved
                 else np.zeros(len(self.always_live), dtype=np.int64))
+
+    @property
+    def recomputation_saved_per_tile(self):
+        """Not-always-live peak bytes per tile that recomputation saves."""
+        if self.not_always_live_without_recomputation is None:
+            return np.zeros(len(self.not_always_live), dtype=np.int64)
+        return self.not_always_live_without_recomputation - self.not_always_live
 
     @property
     def total(self):
@@ -140,7 +154,7 @@ def _buffers(graph):
     return find
 
 
-def _live_usage(graph, tiles, temps, ipu=0, op_phase=None):
+def _live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True):
     """(usage, live, buffers): bytes live on each tile at each op (ops x tiles),
     which buffers are live at each op (ops x buffers), and the buffers.
 
@@ -149,7 +163,9 @@ def _live_usage(graph, tiles, temps, ipu=0, op_phase=None):
     (the optimizer update, in place as on the IPU) cost nothing extra.
     ``op_phase`` (phased execution with activations sent off chip): the phase
     of every op; a buffer then occupies the tiles only in the phases that
-    write or read it, and waits in Streaming Memory in between."""
+    write or read it, and waits in Streaming Memory in between.
+    ``recomputing=False``: as if the graph's recomputed ops kept their
+    results (to measure what recomputation saves)."""
     n_ops = len(graph.ops)
     if n_ops == 0:
         return np.zeros((0, tiles)), np.zeros((0, 0), dtype=bool), []
@@ -176,6 +192,12 @@ def _live_usage(graph, tiles, temps, ipu=0, op_phase=None):
         if r.id in buffers:
             last[r.id] = n_ops - 1
     ids = list(buffers)
+    # Recomputation: a recomputed buffer is dead between its forward use and
+    # the recompute point; a tensor a recomputed op reads lives until then.
+    gap_lo, gap_hi, recomputed, extend = recompute.gaps(graph if recomputing else None,
+                                                        find, ids)
+    for i, k in extend.items():
+        last[i] = max(last[i], k)
     # Pipelined training keeps ("stashes") a stage's activations that its
     # backward reads for every micro-batch in flight: 2(N-1-s)+1 of them.
     stash = getattr(graph, "stash_depth", None)
@@ -187,14 +209,15 @@ def _live_usage(graph, tiles, temps, ipu=0, op_phase=None):
                 if t is not None and not op.backward:
                     producer_stage[find(t).id] = op.stage
         read_by_backward = {find(t).id for op in graph.ops if op.backward
-                            for t in op.input_tensors()}
+                            for t in op.input_tensors()} | set(extend)
         for n, i in enumerate(ids):
-            if i in producer_stage and i in read_by_backward:
+            if i in producer_stage and i in read_by_backward and not recomputed[n]:
                 scale[n] = stash.get(producer_stage[i], 1)
     start = np.array([first[i] for i in ids], dtype=np.int64)
     end = np.array([last[i] for i in ids], dtype=np.int64)
     steps = np.arange(n_ops)[:, None]
     live = (steps >= start[None, :]) & (steps <= end[None, :])
+    live &= ~((steps > gap_lo[None, :]) & (steps < gap_hi[None, :]))
     if op_phase is not None and ids:
         op_phase = np.asarray(op_phase)
         touched = {i: set() for i in ids}
@@ -294,6 +317,8 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None):
     for v in by_tensor.values():
         always += v
     peak = np.zeros(tiles, dtype=np.int64)
+    plain = peak.copy()               # the peak without recomputation
+    recomputation, recomputed_ops = "None", []
     graphs = {}
     for graph in program.graphs.values():
         temps = np.zeros((len(graph.ops), tiles))
@@ -316,11 +341,24 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None):
         usage, live, buffers = _live_usage(graph, tiles, temps, ipu,
                                            op_phase if offload else None)
         graphs[graph.name] = (usage, live, buffers)
+        rec = getattr(graph, "recompute", None)
+        if rec is not None and rec.mode:
+            recomputation = rec.name
+            recomputed_ops += [op.name for op in graph.ops if op in rec.ops]
+        if rec and len(usage):
+            without = _live_usage(graph, tiles, temps, ipu, op_phase if offload else None,
+                                  recomputing=False)[0]
+            plain = np.maximum(plain, without.max(axis=0).astype(np.int64))
+        elif len(usage):
+            plain = np.maximum(plain, usage.max(axis=0).astype(np.int64))
         if len(usage):
             peak = np.maximum(peak, usage.max(axis=0).astype(np.int64))
     return MemoryReport(target.bytes_per_tile, always, peak, by_tensor, graphs, ipu,
                         saved, streaming,
-                        {name: dtype_name(variables[name].dtype) for name in by_tensor})
+                        {name: dtype_name(variables[name].dtype) for name in by_tensor},
+                        recomputation=recomputation, recomputed_ops=recomputed_ops,
+                        not_always_live_without_recomputation=(
+                            plain if recomputed_ops else None))
 
 
 def variable_phases(program):

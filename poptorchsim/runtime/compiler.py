@@ -25,6 +25,7 @@ from ..passes import locations as tensor_locations
 from ..passes.lower import NoActiveBlockError, lower, mark_role
 from ..passes.memory import check_fits, plan_memory
 from ..passes.pipeline import input_ipus
+from ..passes import recompute
 from ..passes.tile_mapping import map_graph
 
 
@@ -75,6 +76,8 @@ def _stage_times(graph, costs, target, n_stages):
     ipu_of = {}
     for op, cost in zip(graph.ops, costs):
         (bwd if op.backward else fwd)[op.stage] += cost.total
+        if op.attrs.get("recompute"):      # run again before its stage's backward
+            bwd[op.stage] += cost.total
         for t in op.outputs:
             if t is not None:
                 ipu_of[t.id] = op.ipu
@@ -105,7 +108,9 @@ def _estimate(program, costs, target):
     di, ga = program.device_iterations, program.accumulation
     training = program.kind == "training"
     step_name = "training_step" if training else "inference_forward"
-    step = _graph_cycles(costs[step_name])
+    graph = program.graphs[step_name]
+    again = [c for op, c in zip(graph.ops, costs[step_name]) if op.attrs.get("recompute")]
+    step = _graph_cycles(costs[step_name] + again)
     n_stages = program.n_stages
     fwd, bwd = _stage_times(program.graphs[step_name], costs[step_name], target, n_stages)
     ipu_of_stage = program.ipu_of_stage
@@ -119,6 +124,8 @@ def _estimate(program, costs, target):
     program.schedule = sched
     step_total = sum(step.values()) or 1.0
     total = {k: sched.cycles * calls * v / step_total for k, v in step.items()}
+    # recomputed ops' share of the step's cycles (already in the kinds above)
+    recomputed = sched.cycles * calls * sum(c.total for c in again) / step_total
     if training:
         upd = _graph_cycles(costs["optimizer_update"])
         grad_bytes = program.grad_bytes
@@ -144,6 +151,7 @@ def _estimate(program, costs, target):
     total["total"] = sum(total.values())
     total["seconds"] = total["total"] / target.clock_hz
     total["bubble"] = sched.bubble
+    total["recompute"] = recomputed       # part of "total", not added to it
     return total
 
 
@@ -467,8 +475,11 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
                      amp=0.6, show_progress=True, allow_oom=False, out_bytes_fn=None,
                      synthetic=False, strategy=None, auto_round=False, locations=None,
                      processes=1, io_tiles=0, precision=None, running_mean=False,
-                     auto_loss_scaling=False):
-    """``running_mean``: the mean over accumulated micro-batches is a running
+                     auto_loss_scaling=False, recomputation=None):
+    """``recomputation``: PopART's ``autoRecomputation`` (None when unset:
+    Pipeline for a pipeline over several IPUs, otherwise none; see
+    ``passes/recompute.py``).
+    ``running_mean``: the mean over accumulated micro-batches is a running
     mean (MeanReductionStrategy.Running); ``auto_loss_scaling``: the loss
     scaling is variable (Options.Training.setAutomaticLossScaling)."""
     t0 = time.perf_counter()
@@ -507,6 +518,8 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
     program.host_streams = _host_streams(capture, program, overlap)
     _place(program, step_graph, capture, strategy, training=True, di=di, ga=ga, rf=rf,
            auto_round=auto_round)
+    recompute.plan(step_graph, recompute.default_mode(
+        recomputation, program.pipelined and program.n_ipus > 1), program.pipelined)
 
     bar.set_description("Tile mapping"); bar.update(1)
     _map_training(step_graph, update_graph, target)

@@ -22,6 +22,7 @@ from . import cache, compiler, export, observe
 from .engine_options import allow_out_of_memory, profiling_directory
 from .inputs import ModelInputs
 from .perf import call_timeline, latency
+from .popart_options import recomputation_type
 from .precision import keep_running_statistics_float, settings as precision_settings
 from .weights import DeviceWeights
 
@@ -141,6 +142,7 @@ class PoplarExecutor:
         synthetic = bool(o._values.get("synthetic_data", False))
         strategy = getattr(o, "execution_strategy", None)
         precision = precision_settings(o)
+        recomputation = recomputation_type(o)       # checked in inference too, as PopTorch does
         if precision["running_statistics_always_float"]:
             keep_running_statistics_float(self._user_model)
         if self._training:
@@ -150,7 +152,7 @@ class PoplarExecutor:
                 out_bytes_fn=out_bytes, synthetic=synthetic, strategy=strategy,
                 auto_round=o.auto_round_num_ipus, locations=o.TensorLocations.settings(),
                 processes=o.Distributed.numProcesses, io_tiles=o.TensorLocations.num_io_tiles,
-                precision=precision, **self._update_options())
+                precision=precision, recomputation=recomputation, **self._update_options())
         else:
             compiled = self._through_cache(source, compiler.compile_inference,
                 self._user_model, micro[0], micro[1], di=di, rf=rf, target=self._target,
