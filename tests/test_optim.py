@@ -611,12 +611,13 @@ def test_marked_as_variable_before_compiling_can_change():
 
 
 def test_automatic_loss_scaling_makes_the_loss_scaling_variable():
-    model = ClassifierWithLoss()
+    model = ClassifierWithLoss().half()      # automatic loss scaling watches fp16 gradients
     opts = quiet_options()
     opts.Training.setAutomaticLossScaling(True)
     opt = optim.SGD(model.parameters(), lr=0.05)
     tm = poptorchsim.trainingModel(model, opts, opt)
-    tm(*classification_batch(4))
+    x, target = classification_batch(4)
+    tm(x.half(), target)
     assert not opt.variable_attrs.isConstant("loss_scaling")
     opt.loss_scaling = 128.0
     tm.setOptimizer(opt)

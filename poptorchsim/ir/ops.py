@@ -181,7 +181,9 @@ def _returns_alias(target):
 # poptorchsim's own library ops that reach the IR (``capture.custom_ops``):
 # ``nop`` is a copy the compiler keeps.  Users' custom ops are class
 # ``custom``, costed as their authors declare (``ir.custom``).
-_OWN_OPS = {"nop": "copy"}
+_OWN_OPS = {"nop": "copy",
+            # automatic loss scaling (passes/loss_scaling.py)
+            "gradient_histogram": "reduction", "loss_scale_update": "elementwise"}
 
 
 # Iterative factorizations: LAPACK loops until convergence; neither Poplar's

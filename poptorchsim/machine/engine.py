@@ -86,15 +86,18 @@ def run_cond(condition, then, orelse, then_reads, else_reads, taken):
     return orelse(else_reads)
 
 
-def compile_graph(graph, branches=None, rounding=None):
+def compile_graph(graph, branches=None, rounding=None, watch=None):
     """A Python function ``f(list_of_inputs) -> list_of_outputs`` for ``graph``.
 
     Its ``branches`` attribute maps each conditional op's name (in sub-graphs
     too) to [times the then branch ran, times the else branch ran].
     ``rounding`` (default: the graph's ``rounding`` attribute): a
-    ``precision.Rounding`` when fp16 results round stochastically."""
+    ``precision.Rounding`` when fp16 results round stochastically.
+    ``watch`` (default: the graph's ``watch``): a ``precision.GradientWatch``
+    counting the values the ops marked ``watched`` lose to fp16."""
     branches = {} if branches is None else branches
     rounding = rounding if rounding is not None else getattr(graph, "rounding", None)
+    watch = watch if watch is not None else getattr(graph, "watch", None)
     glb = {}
     names = {}
     in_place = _in_place(graph)
@@ -145,7 +148,7 @@ def compile_graph(graph, branches=None, rounding=None):
         args += [f"{key}={render(v)}" for key, v in op.kwargs.items()]
         if op.subgraphs:           # a loop or a conditional: its sub-graphs compiled
             for name, sub in op.subgraphs.items():
-                glb[f"{fn}_{name}"] = compile_graph(sub, branches, rounding)
+                glb[f"{fn}_{name}"] = compile_graph(sub, branches, rounding, watch)
             if op.cost_class == "loop":
                 glb[fn] = run_loop
                 args = [repr(op.attrs["count"]), f"{fn}_body"] + args
@@ -158,6 +161,9 @@ def compile_graph(graph, branches=None, rounding=None):
             args.append(f"traced={const(op.traced_layout)}")
         else:
             glb[fn] = host_kernel(op, kernel_for(kernel, op_args, op.kwargs), rounding, into)
+            if watch is not None and op.attrs.get("watched"):
+                glb[fn] = watch.wrap(op, glb[fn], kernel_for(op.target, list(op.args),
+                                                             op.kwargs))
         call = f"{fn}({', '.join(args)})"
         if op.cost_class == "view" and not op.inplace and not op.multi_output:
             # the same view of the same tensor twice (an RNN's weight
@@ -325,22 +331,30 @@ class Engine:
         """One call: ``di`` weight updates, each over ``ga * rf`` micro-batches.
 
         ``state`` holds lists: params (trainable first, then frozen), buffers
-        (one list per replica), opt_state, steps, hyper and grad_scale.
+        (one list per replica), opt_state, steps, hyper and grad_scale; with
+        automatic loss scaling, ``loss_scale`` (a ``precision.LossScale``):
+        the step's last output is then its gradient statistics, and the
+        update takes the loss-scale update's inputs last and gives the new
+        factor last.
         """
         n_train = state.n_trainable
         n_buf = len(state.buffers[0])
         extra = list(getattr(state, "step_extra", None) or [])    # the loss scaling
         accumulation = self.accumulation
+        scale = getattr(state, "loss_scale", None)
         apart = self.reduce is not None and accumulation is not None and accumulation.into
         self.written = []
         with torch.no_grad():
             for i in range(di):
-                acc = None
+                acc = stats = None
                 k = 0
                 for g in range(ga):
                     for r in range(rf):
                         outs = self.step_fn(state.params + state.buffers[r]
                                             + [x[i, g, r] for x in inputs] + extra)
+                        if scale is not None:       # the gradient statistics
+                            stats = outs[-1] if stats is None else stats + outs[-1]
+                            outs = outs[:-1]
                         n_out = len(outs) - n_train - n_buf
                         grads = outs[n_out:n_out + n_train]
                         state.buffers[r] = outs[n_out + n_train:]
@@ -355,6 +369,10 @@ class Engine:
                     acc = self.reduce(acc)
                     if apart:
                         acc = accumulation.finish(acc, state)
+                    if stats is not None:
+                        stats = self.reduce([stats.double()])[0].round()
+                if stats is not None:
+                    scale.add(stats)
                 if self.shards:
                     self._sharded_update(state, acc)
                 else:
@@ -374,8 +392,13 @@ class Engine:
         counts = self.slot_counts or [(len(slots), len(slots)) for slots in opt_state]
         flat_state = [s for (n_in, _), slots in zip(counts, opt_state) for s in slots[:n_in]]
         steps = state.steps if steps is None else steps
+        scale = getattr(state, "loss_scale", None)
+        scaler = scale.update_inputs() if scale is not None else []
         new = self.update_fn(params + grads + flat_state
-                             + steps + state.hyper + [state.grad_scale])
+                             + steps + state.hyper + [state.grad_scale] + scaler)
+        if scaler:
+            self._new_factor = new[-1]
+            new = new[:-1]
         new_state, at = [], n_train
         for _, n_out in counts:
             new_state.append(new[at:at + n_out])
@@ -386,6 +409,12 @@ class Engine:
         n_train = state.n_trainable
         state.params[:n_train], state.opt_state, state.steps = self._run_update(
             state, state.params[:n_train], acc, state.opt_state)
+        self._scale_updated(state)
+
+    def _scale_updated(self, state):
+        """After a weight update: the loss-scale update's factor takes effect."""
+        if getattr(state, "loss_scale", None) is not None:
+            state.loss_scale.apply(state, self._new_factor)
 
     def _sharded_update(self, state, acc):
         """Replicated tensor sharding of the optimizer state: the summed
@@ -415,3 +444,4 @@ class Engine:
             new_params[i] = unshard([run[0][i] for run in runs], params[i].shape)
             new_state[i] = [[run[1][i][k] for run in runs] for k in range(len(new_state[i]))]
         state.params[:n_train], state.opt_state, state.steps = new_params, new_state, new_steps
+        self._scale_updated(state)

@@ -236,3 +236,115 @@ def rounds_stochastically(op):
     place (copies into buffers) are left alone."""
     return (op.cost_class not in ("view", "host") and not op.inplace and not op.subgraphs
             and any(t is not None and t.dtype.is_floating_point for t in op.outputs))
+
+
+# -- fp16 gradients: what underflowed and overflowed ----------------------------------
+
+class GradientWatch:
+    """Counts, over one call, the fp16 gradient values the backward pass
+    lost (ops marked ``attrs["watched"]``: every backward op with an fp16
+    result, casts included): *underflowed*, zero in fp16 but not when the
+    op is computed in fp32 from the same operands; *overflowed*, infinite
+    in fp16 but finite in fp32; and *non-finite*, infinite or NaN in fp16.
+    A value is counted where it is lost, not again downstream.  The fp32
+    reference is a diagnostic the simulator adds (the IPU has none): the
+    op's kernel run again with its operands widened to fp32."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.values = 0
+        self.underflowed = 0
+        self.overflowed = 0
+        self.nonfinite = 0
+        self.per_op = {}            # op name -> [values, underflowed, overflowed]
+
+    def wrap(self, op, kernel, reference):
+        """``kernel`` counting into this watch; ``reference``: the op's
+        plain kernel, run on widened operands."""
+        def run(*args, **kwargs):
+            out = kernel(*args, **kwargs)
+            wide = reference(*pytree.tree_map(_widen, args), **pytree.tree_map(_widen, kwargs))
+            outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            wides = [wide] if isinstance(wide, torch.Tensor) else list(wide)
+            for o, w in zip(outs, wides):
+                if isinstance(o, torch.Tensor) and o.dtype == HALF and isinstance(w, torch.Tensor):
+                    self._count(op.name, o, w)
+            return out
+        return run
+
+    def _count(self, name, out, wide):
+        finite = torch.isfinite(out)
+        under = int(((out == 0) & (wide != 0)).sum())
+        over = int((~finite & torch.isfinite(wide)).sum())
+        row = self.per_op.setdefault(name, [0, 0, 0])
+        row[0] += out.numel()
+        row[1] += under
+        row[2] += over
+        self.values += out.numel()
+        self.underflowed += under
+        self.overflowed += over
+        self.nonfinite += int((~finite).sum())
+
+    def summary(self, top=5):
+        """A dict: totals, and the ``top`` ops with the most lost values."""
+        worst = sorted(self.per_op.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:top]
+        return {"values": self.values, "underflowed": self.underflowed,
+                "overflowed": self.overflowed, "nonfinite": self.nonfinite,
+                "ops": [{"op": n, "values": v, "underflowed": u, "overflowed": o}
+                        for n, (v, u, o) in worst if u or o]}
+
+
+class LossScale:
+    """The loss scale of a training program with automatic loss scaling:
+    the update factor, its counter, and the statistics of the current
+    update period (summed over micro-batches, replicas and processes).
+
+    After each weight update, the new factor the update graph computed
+    becomes the scale of the next step: the step's loss-scaling input and
+    the scale by which the update divides the gradients (``grad_scale``,
+    and SGD's combined-variant scale into the velocity)."""
+
+    def __init__(self, loss_scaling, factor=1.0, period=1):
+        self.loss_scaling = float(loss_scaling)
+        self.factor = torch.tensor(float(factor), dtype=torch.float32)
+        self.counter = torch.tensor(0.0, dtype=torch.float32)
+        self.period = int(period)
+        self.statistics = None
+        self.history = []               # the final loss scale after each update of a call
+
+    @property
+    def final(self):
+        return self.loss_scaling * float(self.factor)
+
+    def add(self, statistics):
+        s = statistics.to(torch.int64)
+        self.statistics = s if self.statistics is None else self.statistics + s
+
+    def update_inputs(self):
+        """The loss-scale update op's inputs: statistics, factor, loss scaling, counter."""
+        stats = self.statistics if self.statistics is not None else \
+            torch.zeros(2, dtype=torch.int64)
+        return [stats.to(torch.int32), self.factor,
+                torch.tensor(self.loss_scaling, dtype=torch.float32), self.counter]
+
+    def apply(self, state, new_factor):
+        """The update graph's new factor takes effect for the next step; the
+        statistics start again when an update period ends."""
+        old = self.final
+        if (int(self.counter) + 1) % self.period == 0:
+            self.statistics = None
+        self.factor = new_factor.detach().float().reshape(())
+        self.counter = self.counter + 1
+        self.history.append(self.final)
+        self.set_scale(state, old)
+
+    def set_scale(self, state, old):
+        """``state``'s loss-scale tensors moved from scale ``old`` to ``final``."""
+        new = self.final
+        if getattr(state, "step_extra", None):
+            state.step_extra[0] = torch.tensor(new, dtype=torch.float32)
+        state.grad_scale = state.grad_scale * (old / new)
+        if getattr(state, "combined_scale", None) is not None:
+            state.combined_scale = [c * (old / new) for c in state.combined_scale]

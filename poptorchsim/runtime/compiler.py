@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 import torch.utils._pytree as pytree
 from tqdm.auto import tqdm
 
@@ -19,9 +20,11 @@ from ..ir.graph import (AllGather, AllReduce, Call, DeviceToHost, HostToDevice, 
                         ReduceScatter, RemoteLoad, RemoteStore, Repeat, Sequence)
 from ..machine.cost import _exchange_cycles, op_cost, with_branches_taken
 from ..machine.engine import compile_graph
+from ..machine.precision import GradientWatch
 from .precision import apply as apply_precision, float_statistics_forward
 from ..machine.targets import with_io_tiles
 from ..passes import locations as tensor_locations
+from ..passes.loss_scaling import add_gradient_statistics, add_loss_scale_update, mark_watched
 from ..passes.lower import NoActiveBlockError, lower, mark_role
 from ..passes.memory import check_fits, plan_memory
 from ..passes.pipeline import input_ipus
@@ -466,7 +469,7 @@ def _sharded_state(model, optimizer, capture, settings, replicas, plan=None):
 def update_plan(optimizer, ga, running_mean=False, auto_loss_scaling=False):
     """(Settings, UpdatePlan) of ``optimizer`` for a program accumulating ``ga``
     micro-batches per update."""
-    read = opt_rules.read_settings(optimizer, auto_loss_scaling)
+    read = opt_rules.read_settings(optimizer, bool(auto_loss_scaling))
     return read, opt_rules.plan_update(optimizer, read, accumulating=ga > 1,
                                        running_mean=running_mean)
 
@@ -475,13 +478,14 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
                      amp=0.6, show_progress=True, allow_oom=False, out_bytes_fn=None,
                      synthetic=False, strategy=None, auto_round=False, locations=None,
                      processes=1, io_tiles=0, precision=None, running_mean=False,
-                     auto_loss_scaling=False, recomputation=None):
+                     auto_loss_scaling=None, recomputation=None):
     """``recomputation``: PopART's ``autoRecomputation`` (None when unset:
     Pipeline for a pipeline over several IPUs, otherwise none; see
     ``passes/recompute.py``).
     ``running_mean``: the mean over accumulated micro-batches is a running
-    mean (MeanReductionStrategy.Running); ``auto_loss_scaling``: the loss
-    scaling is variable (Options.Training.setAutomaticLossScaling)."""
+    mean (MeanReductionStrategy.Running); ``auto_loss_scaling``: None, or the
+    ``passes.loss_scaling.Settings`` of automatic loss scaling
+    (Options.Training.setAutomaticLossScaling)."""
     t0 = time.perf_counter()
     settings = locations or {}
     _check_locations(settings, io_tiles)
@@ -521,6 +525,8 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
     recompute.plan(step_graph, recompute.default_mode(
         recomputation, program.pipelined and program.n_ipus > 1), program.pipelined)
 
+    watch = _watch_gradients(program, model, auto_loss_scaling)
+
     bar.set_description("Tile mapping"); bar.update(1)
     _map_training(step_graph, update_graph, target)
     variables = {}
@@ -535,7 +541,33 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
                         plan.max_grad_norm, shards, plan, update.slots, update.layouts)
     compiled.location_settings = settings
     compiled.precision, compiled.rounding = precision, rounding
+    compiled.watch, compiled.auto_loss_scaling = watch, auto_loss_scaling
     return compiled
+
+
+def _watch_gradients(program, model, als):
+    """Marks the backward ops of the training step with fp16 results and
+    gives it a ``GradientWatch`` (None when it has none); with automatic
+    loss scaling (``als``, its ``Settings``), adds PopART's histogram ops to
+    the step and the loss-scale update to the optimizer update."""
+    step, update = program.graphs["training_step"], program.graphs["optimizer_update"]
+    if als:
+        if program.pipelined and program.accumulation == 1:
+            raise Error("[AutomaticLossScale transform] Automatic loss scaling is not "
+                        "currently supported when the 'enablePipelining' SessionOption is set "
+                        "to 'true', but the 'enableGradientAccumulation' SessionOption is set "
+                        "to 'false'")
+        add_gradient_statistics(step, als)
+        _add_scale_update(update, model, als)
+    mark_watched(step)
+    watched = any(op.attrs.get("watched") for op in step.ops)
+    step.watch = GradientWatch() if watched else None
+    return step.watch
+
+
+def _add_scale_update(update, model, als):
+    clip = any(p.dtype == torch.float16 for p in model.parameters() if p.requires_grad)
+    add_loss_scale_update(update, als, clip)
 
 
 def _map_variables(program, target, variables):
@@ -693,7 +725,7 @@ def check_loss_scaling(compiled, plan):
 
 
 def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False, running_mean=False,
-                   auto_loss_scaling=False):
+                   auto_loss_scaling=None):
     """Re-traces only the optimizer update, for a new optimizer type or
     structure.  The step graph is kept, so the loss scaling must stay in it
     or out of it as compiled."""
@@ -707,6 +739,8 @@ def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False, running
         model, optimizer, compiled.capture, plan, shards,
         unit_scale=program.accumulation * program.total_replicas == 1 and not plan.loss_scaling)
     graph = update.graph
+    if auto_loss_scaling:
+        _add_scale_update(graph, model, auto_loss_scaling)
     program.graphs["optimizer_update"] = graph
     program.sharded_state = set(shards)
     graph.rounding = getattr(compiled, "rounding", None)

@@ -23,7 +23,8 @@ from .engine_options import allow_out_of_memory, profiling_directory
 from .inputs import ModelInputs
 from .perf import call_timeline, latency
 from .popart_options import recomputation_type
-from .precision import keep_running_statistics_float, settings as precision_settings
+from .precision import (GradientMonitor, auto_loss_scaling, keep_running_statistics_float,
+                        settings as precision_settings)
 from .weights import DeviceWeights
 
 logger = logging.getLogger("poptorchsim")
@@ -72,6 +73,7 @@ class PoplarExecutor:
             mode = enums.OutputMode.Final if training else enums.OutputMode.All
         self._output_mode = mode
         self._observe = observe.Observation(options, mode)    # anchors, cycle count
+        self._gradients = GradientMonitor()     # fp16 gradients, automatic loss scaling
         self._opt_settings = None       # the optimizer as the compiled update has it
         self._attribute_tracker = opt_rules.AttributeTracker(options.relax_optimizer_checks)
         if training and optimizer is not None:
@@ -168,7 +170,8 @@ class PoplarExecutor:
                           for m, mod in self._user_model.named_modules()
                           if isinstance(mod, torch.nn.modules.batchnorm._NormBase)
                           for b, _ in mod.named_buffers(recurse=False)}
-            outs = step.outputs[len(step.outputs) - len(names):] if names else []
+            end = len(step.outputs) - getattr(step, "statistics_outputs", 0)
+            outs = step.outputs[end - len(names):end] if names else []
             if any(t.id not in inputs and n not in norm_stats for n, t in zip(names, outs)):
                 raise Error(
                     "PopTorch does not support broadcasting buffers. If your model is able "
@@ -330,7 +333,7 @@ class PoplarExecutor:
         running = (t.accumulation_and_replication_reduction_type == enums.ReductionType.Mean
                    and t.meanAccumulationAndReplicationReductionStrategy
                    == enums.MeanReductionStrategy.Running)
-        return {"running_mean": running, "auto_loss_scaling": bool(t.auto_loss_scaling)}
+        return {"running_mean": running, "auto_loss_scaling": auto_loss_scaling(self._options)}
 
     def _adopt_optimizer(self, optimizer):
         """``optimizer`` becomes the model's: its ``state_dict()`` reads the
@@ -512,6 +515,17 @@ class PoplarExecutor:
         branches = getattr(getattr(engine, "step_fn", None), "branches", None)
         return branches if branches and any(sum(v) for v in branches.values()) else None
 
+    def precisionReport(self):
+        """fp16 in the last training call: the loss scale (and, with automatic
+        loss scaling, its update factor and the scale after each weight
+        update), and how many fp16 values the backward pass computed
+        underflowed to zero or overflowed to infinity (against the same op
+        in fp32), with the ops that lost the most."""
+        self._require_compiled()
+        if not self._training:
+            return {"loss_scale": 1.0, "automatic_loss_scaling": None, "gradients": None}
+        return GradientMonitor.report(self._compiled, self._state)
+
     def simulationReport(self):
         """Memory per tile, cycles per call and per op, liveness: a JSON-ready dict."""
         from .report import build_report
@@ -593,8 +607,10 @@ class PoplarExecutor:
         self._observe.start(di, ga, rf)
         if self._training:
             self._send_loaded_optimizer_state()
+            self._gradients.start(self._compiled, self._state)
             result = self._engine.run_training(self._state, inputs, collector, di, ga, rf)
             self._weights.download(self._compiled, fresh=False)
+            self._gradients.finish(self._compiled)
         else:
             result = self._engine.run_inference(self._state.params, self._state.buffers,
                                                 inputs, collector, di, rf)

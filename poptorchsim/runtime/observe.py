@@ -79,7 +79,8 @@ def _gradient_tensor(compiled, name):
     """The step graph's output holding the gradient of parameter ``name``."""
     step = step_graph(compiled)
     trainable = compiled.capture.trainable_names
-    first = len(step.outputs) - len(compiled.capture.buffer_names) - len(trainable)
+    first = (len(step.outputs) - getattr(step, "statistics_outputs", 0)
+             - len(compiled.capture.buffer_names) - len(trainable))
     return step.outputs[first + trainable.index(name)]
 
 

@@ -1,11 +1,15 @@
 """The ``Options.Precision`` settings the compiler is given, and batch-norm
 running statistics kept in float32 (``runningStatisticsAlwaysFloat``)."""
 import contextlib
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from ..machine.precision import Rounding, mark_partials
+from ..passes.loss_scaling import settings as loss_scaling_settings
+
+logger = logging.getLogger("poptorchsim")
 
 
 def settings(options):
@@ -95,3 +99,74 @@ def float_statistics_forward(model, precision):
     finally:
         for m in mods:
             del m.forward
+
+
+# -- automatic loss scaling and the fp16 gradients of the last call --------------------
+
+def auto_loss_scaling(options):
+    """The ``passes.loss_scaling.Settings`` of automatic loss scaling when
+    ``Options.Training.setAutomaticLossScaling(True)`` (or PopART's
+    ``automaticLossScalingSettings.enabled``) is set, else None."""
+    s = loss_scaling_settings(options._Popart.options, options.Training.auto_loss_scaling)
+    return s if s.enabled else None
+
+
+_LOST = ("{pct:.1f}% of the fp16 values the backward pass computed in the last call "
+         "{what}: {n:,} of {total:,}. {fix}")
+
+
+class GradientMonitor:
+    """What the fp16 gradients of a training program did in its last call
+    (``precisionReport()``): values lost to underflow and overflow, and the
+    loss scale automatic loss scaling chose; warns once per executor when
+    more than ``WARN_FRACTION`` of the values underflowed, or any overflowed."""
+    WARN_FRACTION = 0.01
+
+    def __init__(self):
+        self.warned = set()
+
+    def start(self, compiled, state):
+        watch = getattr(compiled, "watch", None)
+        if watch is not None:
+            watch.reset()
+        if getattr(state, "loss_scale", None) is not None:
+            state.loss_scale.history = []
+
+    def finish(self, compiled):
+        watch = getattr(compiled, "watch", None)
+        if watch is None or not watch.values:
+            return
+        under = watch.underflowed / watch.values
+        if under > self.WARN_FRACTION and "under" not in self.warned:
+            self.warned.add("under")
+            logger.warning(_LOST.format(
+                pct=100 * under, what="underflowed to zero", n=watch.underflowed,
+                total=watch.values, fix="Raise the optimizer's loss_scaling, or turn on "
+                "Options.Training.setAutomaticLossScaling(True)."))
+        if watch.overflowed and "over" not in self.warned:
+            self.warned.add("over")
+            logger.warning(_LOST.format(
+                pct=100 * watch.overflowed / watch.values, what="overflowed to infinity",
+                n=watch.overflowed, total=watch.values,
+                fix="Lower the optimizer's loss_scaling, or turn on "
+                "Options.Training.setAutomaticLossScaling(True)."))
+
+    @staticmethod
+    def report(compiled, state):
+        """A JSON-ready dict: the loss scale and the fp16 gradients' fate."""
+        scale = getattr(state, "loss_scale", None)
+        extra = getattr(state, "step_extra", None)
+        out = {"loss_scale": float(extra[0]) if extra else 1.0,
+               "automatic_loss_scaling": None, "gradients": None}
+        if scale is not None:
+            als = compiled.auto_loss_scaling
+            out["automatic_loss_scaling"] = {
+                "loss_scaling": scale.loss_scaling, "update_factor": float(scale.factor),
+                "final_loss_scale": scale.final, "history": list(scale.history),
+                "updates": int(scale.counter), "bin_edge": als.edge,
+                "threshold_upper_count_proportion": als.threshold_upper_count_proportion,
+                "update_period": als.update_period}
+        watch = getattr(compiled, "watch", None)
+        if watch is not None:
+            out["gradients"] = watch.summary()
+        return out

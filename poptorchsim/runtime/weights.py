@@ -16,6 +16,7 @@ import torch
 from .. import enums
 from ..capture import optimizers as opt_rules
 from ..machine.engine import shard, unshard
+from ..machine.precision import LossScale
 from .host_memory import keep_freed_memory
 
 
@@ -26,6 +27,7 @@ class DeviceState:
     grad_scale = None
     step_extra = ()             # the training step's extra inputs: the loss scaling
     combined_scale = None       # per trainable param: SGD1's gradient scale into the velocity
+    loss_scale = None           # automatic loss scaling: a machine.precision.LossScale
 
 
 def same_memory(a, b):
@@ -137,9 +139,11 @@ class DeviceWeights:
         plan = compiled.plan
         settings = self._settings(optimizer)
         values = [opt_rules.group_values(plan, settings, g) for g in range(settings.groups)]
-        ls = opt_rules.loss_scale(settings)
+        base = opt_rules.loss_scale(settings)
+        ls = self._final_loss_scale(compiled, base)     # times automatic loss scaling's factor
         hyper = [torch.tensor(v[h], dtype=torch.float64) for v in values for h in plan.hyper]
-        hyper += [torch.tensor(ls, dtype=torch.float64) for _ in plan.globals]
+        # SGD's velocity is kept multiplied by the optimizer's loss scaling
+        hyper += [torch.tensor(base, dtype=torch.float64) for _ in plan.globals]
         self.state.hyper = hyper
         ga = o.Training.gradient_accumulation
         mean = (o.Training.accumulation_and_replication_reduction_type
@@ -159,6 +163,20 @@ class DeviceWeights:
             [opt_rules.combined_scale(plan, values[g], g, mean_factor, ls)
              for g in compiled.group_of] if plan.into_state else None)
 
+    def _final_loss_scale(self, compiled, loss_scaling):
+        """The loss scale the device uses: ``loss_scaling``, times the update
+        factor of automatic loss scaling (kept across optimizer changes, as
+        PopART keeps its factor tensor)."""
+        als = getattr(compiled, "auto_loss_scaling", None)
+        if not als:
+            self.state.loss_scale = None
+            return loss_scaling
+        ls = self.state.loss_scale
+        if ls is None:
+            ls = self.state.loss_scale = LossScale(loss_scaling, 1.0, als.update_period)
+        ls.loss_scaling = float(loss_scaling)
+        return ls.final
+
     # -- state_dict(): the device's optimizer state, PopTorch's way -------------------------
     def read_device_state(self, compiled, optimizer):
         """``{"ipu_state": {name: tensor}, "ipu_param": {name: tensor}}``: the
@@ -177,6 +195,8 @@ class DeviceWeights:
         names = [f"{h}___group{g}" for g in range(len(c.flags)) for h in c.plan.hyper]
         ipu_param = {name: v.float().clone() for name, v in zip(names, self.state.hyper)}
         ipu_param["lossScaling"] = torch.tensor(self._device_loss_scale())
+        if self.state.loss_scale is not None:
+            ipu_state["lossScaleUpdateFactor"] = self.state.loss_scale.factor.clone()
         return {"ipu_state": ipu_state, "ipu_param": ipu_param}
 
     def _device_loss_scale(self):
@@ -202,6 +222,12 @@ class DeviceWeights:
             step = saved.get("Step___" + n)
             if isinstance(step, torch.Tensor):
                 self.state.steps[i] = step.detach().float().clone()
+        factor = saved.get("lossScaleUpdateFactor")
+        if isinstance(factor, torch.Tensor) and self.state.loss_scale is not None:
+            scale = self.state.loss_scale
+            old = scale.final
+            scale.factor = factor.detach().float().reshape(()).clone()
+            scale.set_scale(self.state, old)
         optimizer.ipu_state_is_dirty = False
 
     def optimizer_state_to_host(self, compiled, optimizer):
