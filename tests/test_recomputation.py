@@ -241,3 +241,41 @@ def test_bad_values_raise_popart_errors_when_compiling(value, text, training):
         tm = poptorch.inferenceModel(model, o)
     with pytest.raises(poptorch.Error, match=text):
         tm.compile(*data(8))
+
+
+class Encoder(nn.Module):
+    """Transformer encoder layers, each output a checkpoint (a layer norm's
+    result: one output of a multi-output op)."""
+
+    def __init__(self, layers=2, d=64):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0,
+                                                               batch_first=True)
+                                    for _ in range(layers))
+        self.loss = nn.MSELoss()
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = poptorch.recomputationCheckpoint(layer(x))
+        return x, self.loss(x, y)
+
+
+def test_transformer_layers_recompute_between_checkpoints():
+    """Views of recomputed results (attention's reshapes) do not keep them
+    alive, and a checkpoint on a layer norm's output keeps the layer norm."""
+    def build(mode):
+        torch.manual_seed(0)
+        model = Encoder()
+        tm = poptorch.trainingModel(model, options(mode),
+                                    torch.optim.SGD(model.parameters(), lr=0.01))
+        tm.compile(torch.randn(8, 32, 64), torch.randn(8, 32, 64))
+        return tm
+    plain, recomputed = build(NONE), build(RECOMPUTE_ALL)
+    ops = recomputed.getIR().graphs["training_step"].ops
+    norms = [op for op in ops if op.cost_class == "norm" and not op.backward]
+    assert norms[-1].attrs.get("recomputation_checkpoint") and not norms[-1].attrs.get("recompute")
+    assert any(op.attrs.get("recompute") and op.name.startswith("bmm") for op in ops)
+    assert activation_peak(recomputed) < 0.75 * activation_peak(plain)
+    report = recomputed.memoryReport()
+    assert report.not_always_live.max() < plain.memoryReport().not_always_live.max()
+    assert recomputed.cycleEstimate()["total"] > plain.cycleEstimate()["total"]

@@ -157,6 +157,10 @@ def lower(gm, name, roles, n_model_outputs=0):
             if target is operator.getitem:
                 src = env[node.args[0]]
                 env[node] = src[node.args[1]]
+                if node.meta.get("recomputation_checkpoint") and \
+                        getattr(env[node], "producer", None) is not None:
+                    # one result of a multi-output op (a layer norm's): keep the op's
+                    env[node].producer.attrs["recomputation_checkpoint"] = True
                 continue
             cls = cost_class(target)
             val = node.meta.get("val")

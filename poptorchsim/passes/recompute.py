@@ -268,7 +268,7 @@ def gaps(graph, find, ids):
                     bwd_first.setdefault(r, k)
                 else:
                     fwd_last[r] = k
-        if op.backward:
+        if op.backward or op.cost_class == "view":     # a view writes nothing
             continue
         for t in op.outputs:
             if t is None:
@@ -300,6 +300,7 @@ def gaps(graph, find, ids):
             continue
         for t in op.input_tensors():
             r = find(t).id
-            if r in index and not recomputed[index[r]]:
+            # a kept buffer; one a recomputed op writes is written again
+            if r in index and (r not in seg or r in kept):
                 extend[r] = max(extend.get(r, p), p)
     return lo, hi, recomputed, extend
