@@ -1,7 +1,7 @@
 """The report as one self-contained HTML page (plots are the PNGs beside it)."""
 from html import escape
 
-from .text import (dtype_line, fit_line, fmt_bytes, fmt_count, fmt_seconds, fullest_tiles,
+from .text import (dtype_line, fit_line, precision_lines, fmt_bytes, fmt_count, fmt_seconds, fullest_tiles,
                    locations_lines, op_label)
 
 STYLE = """
@@ -166,9 +166,12 @@ def _precision_section(report, parts):
         if op.get("rounding"):
             counts[op["rounding"]] = counts.get(op["rounding"], 0) + 1
     roles = [op for op in report["ops"] if op.get("role")]
-    if not counts and not roles:
+    lines = precision_lines(report.get("precision"))
+    if not counts and not roles and not lines:
         return
     parts.append("<h2>Precision</h2>")
+    for line in lines:
+        parts.append(f"<p>{escape(line)}</p>")
     if counts:
         parts.append("<p>Ops by rounding of their result: " + escape(", ".join(
             f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))) + ".</p>")

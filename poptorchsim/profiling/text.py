@@ -85,6 +85,33 @@ def dtype_line(report):
     return ", ".join(f"{d or '?'} {fmt_bytes(b)}" for d, b in by.items())
 
 
+def precision_lines(precision):
+    """The loss scale and the fp16 gradients' losses of the last training
+    call (``precisionReport()``), as sentences."""
+    if not precision:
+        return []
+    lines = []
+    als = precision.get("automatic_loss_scaling")
+    if als:
+        history = ", ".join(f"{v:g}" for v in als["history"])
+        lines.append(f"Automatic loss scaling: loss scale {als['final_loss_scale']:g} "
+                     f"(loss_scaling {als['loss_scaling']:g} x factor "
+                     f"{als['update_factor']:g}); after each update of the last call: "
+                     f"{history or 'none'}.")
+    elif precision.get("loss_scale", 1.0) != 1.0:
+        lines.append(f"Loss scale {precision['loss_scale']:g}.")
+    grads = precision.get("gradients")
+    if grads and grads["values"]:
+        lines.append(f"fp16 values the backward pass computed in the last call: "
+                     f"{grads['values']:,}; underflowed to zero {grads['underflowed']:,}, "
+                     f"overflowed to infinity {grads['overflowed']:,}, non-finite "
+                     f"{grads['nonfinite']:,}.")
+        for row in grads["ops"]:
+            lines.append(f"  {row['op']}: {row['underflowed']:,} underflowed, "
+                         f"{row['overflowed']:,} overflowed of {row['values']:,}.")
+    return lines
+
+
 def summary(report, top=5):
     """A few readable lines: model, target, memory, the costliest ops, throughput."""
     mem, cyc, target = report["memory"], report["cycles"], report["target"]
@@ -122,6 +149,7 @@ def summary(report, top=5):
     of = f" of {samples} samples" if samples else ""
     lines.append(f"Estimated {fmt_seconds(cyc['seconds_per_call'])} per call{of}: "
                  f"{fmt_count(cyc['samples_per_second'])} samples/s")
+    lines.extend(precision_lines(report.get("precision")))
     return "\n".join(lines)
 
 

@@ -533,7 +533,9 @@ class PoplarExecutor:
         di, ga, rf = self._factors()
         micro = self._compiled.capture.example_inputs
         batch = micro[0].shape[0] if micro and micro[0].dim() else 1
-        return build_report(self._compiled, self._model_name(), batch * di * ga * rf)
+        report = build_report(self._compiled, self._model_name(), batch * di * ga * rf)
+        report["precision"] = self.precisionReport()
+        return report
 
     def _model_name(self):
         return self._options._values.get("model_name",
