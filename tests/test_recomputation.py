@@ -279,3 +279,18 @@ def test_transformer_layers_recompute_between_checkpoints():
     report = recomputed.memoryReport()
     assert report.not_always_live.max() < plain.memoryReport().not_always_live.max()
     assert recomputed.cycleEstimate()["total"] > plain.cycleEstimate()["total"]
+
+
+def test_reports_show_what_recomputation_saves_and_costs(tmp_path):
+    from poptorchsim.profiling import write_report
+    from poptorchsim.profiling.text import summary
+    tm = compiled(4)
+    report = tm.simulationReport()
+    rec = report["memory"]["recomputation"]
+    assert rec["mode"] == "RecomputeAll" and rec["recomputed_ops"] > 0
+    assert rec["peak_not_always_live_bytes"] < rec["peak_not_always_live_bytes_without"]
+    assert rec["cycles_per_call"] == tm.cycleEstimate()["recompute"] > 0
+    assert "recomputation RecomputeAll:" in summary(report)
+    write_report(report, tmp_path)
+    assert "Recomputation RecomputeAll:" in next(tmp_path.rglob("*.html")).read_text()
+    assert compiled(None).simulationReport()["memory"]["recomputation"] is None

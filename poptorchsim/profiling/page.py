@@ -1,7 +1,8 @@
 """The report as one self-contained HTML page (plots are the PNGs beside it)."""
 from html import escape
 
-from .text import (dtype_line, fit_line, precision_lines, fmt_bytes, fmt_count, fmt_seconds, fullest_tiles,
+from .text import (dtype_line, fit_line, precision_lines, recomputation_line, fmt_bytes,
+                   fmt_count, fmt_seconds, fullest_tiles,
                    locations_lines, op_label)
 
 STYLE = """
@@ -100,6 +101,9 @@ def render(report, images, missing_plots=None, top_ops=20):
     by_dtype = mem.get("always_live_by_dtype") or {}
     if by_dtype:
         parts.append(f"<p>Always-live variables by dtype: {escape(dtype_line(report))}.</p>")
+    if recomputation_line(report):
+        rec = recomputation_line(report)
+        parts.append(f"<p>{escape(rec[0].upper() + rec[1:])}.</p>")
     loc = report.get("tensor_locations") or {}
     if loc.get("variables"):
         parts.append("<h2>Tensor locations</h2>")

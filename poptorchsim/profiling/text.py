@@ -85,6 +85,19 @@ def dtype_line(report):
     return ", ".join(f"{d or '?'} {fmt_bytes(b)}" for d, b in by.items())
 
 
+def recomputation_line(report):
+    """What recomputation saves and costs, or "" when it is off."""
+    r = report["memory"].get("recomputation")
+    if not r:
+        return ""
+    total = report["cycles"]["per_call"].get("total") or 1.0
+    return (f"recomputation {r['mode']}: {r['recomputed_ops']} ops recomputed; peak "
+            f"not-always-live {fmt_bytes(r['peak_not_always_live_bytes'])} per tile "
+            f"(without: {fmt_bytes(r['peak_not_always_live_bytes_without'])}), "
+            f"{fmt_count(r['cycles_per_call'])} cycles per call "
+            f"({100 * r['cycles_per_call'] / total:.1f}%)")
+
+
 def precision_lines(precision):
     """The loss scale and the fp16 gradients' losses of the last training
     call (``precisionReport()``), as sentences."""
@@ -130,6 +143,8 @@ def summary(report, top=5):
         lines.append(f"    tile {tile:>5}  {fmt_bytes(nbytes):>10}  {100 * nbytes / cap:6.1f}%")
     if dtype_line(report):
         lines.append(f"  always-live variables by dtype: {dtype_line(report)}")
+    if recomputation_line(report):
+        lines.append(f"  {recomputation_line(report)}")
     per_call = cyc["per_call"]
     total = per_call["total"] or 1.0
     split = ", ".join(f"{k} {100 * per_call[k] / total:.0f}%"

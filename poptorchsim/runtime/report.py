@@ -76,6 +76,7 @@ def build_report(compiled, name, samples_per_call):
             "always_live_bytes": int(memory.always_live.sum()),
             "always_live_by_dtype": memory.bytes_by_dtype(),
             "saved_per_tile": memory.saved_per_tile.tolist(),
+            "recomputation": _recomputation(memory, cycles),
         },
         "replication": {"replicas": program.total_replicas, "processes": program.processes,
                         "replicas_per_process": program.replicas,
@@ -96,6 +97,19 @@ def build_report(compiled, name, samples_per_call):
                   "total": r.total.tolist()}
                  for r in getattr(memory, "ipus", [memory])],
     }
+
+
+def _recomputation(memory, cycles):
+    """The recomputation mode, the ops it recomputes, what it saves at the
+    peak tile and what it costs (cycles per call), or None when off."""
+    ops = getattr(memory, "recomputed_ops", None) or []
+    if not ops:
+        return None
+    without = memory.not_always_live_without_recomputation
+    return {"mode": memory.recomputation, "recomputed_ops": len(ops),
+            "peak_not_always_live_bytes": int(memory.not_always_live.max()),
+            "peak_not_always_live_bytes_without": int(without.max()),
+            "cycles_per_call": float(cycles.get("recompute", 0.0))}
 
 
 CYCLE_KINDS = ("compute", "exchange", "sync", "collective", "streaming", "host")
