@@ -28,28 +28,29 @@ from dataclasses import replace as _replace
 import numpy as np
 
 from ..ir.custom import cost_of as custom_cost_of
+from . import constants as K
 
-VERTEX_OVERHEAD = 40            # cycles to start a compute set's vertices
-# A worker spends about three issue slots (load, operate, store) per 64-bit
-# vector and the six workers share the tile's issue slots, so element-wise
-# code moves vector_bytes / 3 bytes per tile per cycle (popops' estimators
-# give 2-4 cycles per vector per worker).
-CYCLES_PER_VECTOR = 3
-# Exchange rarely streams at the 4 B/cycle peak: scattered regions, receive
-# buffers and code make half of it a fair average.
-EXCHANGE_EFFICIENCY = 0.5
-# Compute sets beyond the main one: operand rearrangement before, and
-# reduction/cast after, a convolution or matmul (each costs a sync).
-EXTRA_SUPERSTEPS = {"convolution": 2, "convolution_backward": 3}
-DEFAULT_EXTRA_SUPERSTEPS = 1
+# Every constant lives in machine/constants.py with its unit and source; the
+# functions below read them at call time (``K.NAME``) so that
+# ``constants.overridden`` can vary them (sensitivity analysis).
+VERTEX_OVERHEAD = K.VERTEX_OVERHEAD     # the default value, for tests that compare
+
+
+def _extra_supersteps(name):
+    """Compute sets of a matmul/convolution besides its AMP compute set."""
+    if name == "convolution":
+        return K.CONV_EXTRA_SUPERSTEPS
+    if name == "convolution_backward":
+        return K.CONV_BACKWARD_EXTRA_SUPERSTEPS
+    return K.MATMUL_EXTRA_SUPERSTEPS
 
 
 def _vector_rate(target):
-    return target.vector_bytes / CYCLES_PER_VECTOR
+    return target.vector_bytes / K.CYCLES_PER_VECTOR
 
 
 def _exchange_cycles(nbytes, target):
-    return nbytes / (target.exchange_bytes_per_cycle * EXCHANGE_EFFICIENCY)
+    return nbytes / (target.exchange_bytes_per_cycle * K.EXCHANGE_EFFICIENCY)
 
 
 @dataclass
@@ -145,9 +146,10 @@ def op_cost(op, target, amp=0.6):
         return plan(op, target, amp, outs, item, cost)
 
     if cls in ("elementwise", "transcendental", "random", "creation"):
-        per_cycle = _vector_rate(target) * {"transcendental": 0.25, "random": 0.5,
-                                           "creation": 2.0}.get(cls, 1.0)
-        cost.compute = out_max / per_cycle + VERTEX_OVERHEAD
+        per_cycle = _vector_rate(target) * {"transcendental": K.TRANSCENDENTAL_RATE,
+                                           "random": K.RANDOM_RATE,
+                                           "creation": K.CREATION_RATE}.get(cls, 1.0)
+        cost.compute = out_max / per_cycle + K.VERTEX_OVERHEAD
         cost.flops = sum(t.numel for t in outs)
         # Inputs of the same size mapped elsewhere travel over the exchange.
         moved = 0.0
@@ -172,8 +174,9 @@ def op_cost(op, target, amp=0.6):
     in_bytes = sum(t.nbytes for t in ins)
     spread_in = float(max((t.mapping.max_bytes() for t in ins), default=0))
     if cls in ("reduction", "softmax", "loss", "norm", "pool"):
-        passes = {"reduction": 1, "pool": 1, "softmax": 3, "loss": 3, "norm": 4}[cls]
-        cost.compute = passes * spread_in / _vector_rate(target) + 2 * VERTEX_OVERHEAD
+        passes = {"reduction": 1, "pool": 1, "softmax": K.SOFTMAX_PASSES,
+                  "loss": K.SOFTMAX_PASSES, "norm": K.NORM_PASSES}[cls]
+        cost.compute = passes * spread_in / _vector_rate(target) + 2 * K.VERTEX_OVERHEAD
         partials = min(in_bytes, tiles * item * max(1, sum(t.numel for t in outs) // tiles + 1))
         cost.exchange = _exchange_cycles(partials / max(1, outs[0].mapping.n_tiles)
                                          + out_max, target)
@@ -183,7 +186,7 @@ def op_cost(op, target, amp=0.6):
 
     # copies and rearrangements: data moves over the exchange
     cost.exchange = _exchange_cycles(out_max, target)
-    cost.compute = out_max / _vector_rate(target) + VERTEX_OVERHEAD
+    cost.compute = out_max / _vector_rate(target) + K.VERTEX_OVERHEAD
     return cost
 
 
@@ -228,7 +231,7 @@ def _combine(op, parts, target, taken=None):
     if op.cost_class == "loop":
         n, body = op.attrs["count"], totals["body"]
         carried = sum(float(t.mapping.max_bytes()) for t in op.outputs if t is not None)
-        return OpCost(compute=n * (body["compute"] + VERTEX_OVERHEAD),
+        return OpCost(compute=n * (body["compute"] + K.VERTEX_OVERHEAD),
                       exchange=n * (body["exchange"] + _exchange_cycles(carried, target)),
                       sync=n * (body["sync"] + sync), host=n * body["host"],
                       macs=n * body["macs"], flops=n * body["flops"], parts=parts)
@@ -238,7 +241,7 @@ def _combine(op, parts, target, taken=None):
         longest = max(totals, key=lambda name: sum(totals[name][k] for k in _KINDS[:4]))
         weights = {name: float(name == longest) for name in totals}
     paid = {k: sum(weights[name] * totals[name][k] for name in totals) for k in _KINDS}
-    return OpCost(compute=paid["compute"] + VERTEX_OVERHEAD,
+    return OpCost(compute=paid["compute"] + K.VERTEX_OVERHEAD,
                   exchange=paid["exchange"] + _exchange_cycles(4, target),
                   sync=paid["sync"] + sync, host=paid["host"], macs=int(paid["macs"]),
                   flops=int(paid["flops"]), parts=parts)
@@ -265,7 +268,7 @@ def _custom_cost(op, target, outs, out_bytes, cost):
     shapes = ([t.shape for t in ins], [t.shape for t in outs])
     share = out_bytes / max(float(out_bytes.sum()), 1.0)
     work = share * declared.worker_cycles(*shapes) / target.workers
-    cost.compute = float(work.max()) + VERTEX_OVERHEAD
+    cost.compute = float(work.max()) + K.VERTEX_OVERHEAD
     moved = 0.0
     home = (outs[0].mapping.start, outs[0].mapping.n_tiles)
     for t in ins:
@@ -286,7 +289,7 @@ def _gather_cost(op, target, outs, out_max, item, cost):
     ints = [t for t in op.input_tensors() if not t.dtype.is_floating_point]
     index_bytes = max((t.mapping.max_bytes() for t in ints), default=0)
     cost.exchange = _exchange_cycles(out_max + index_bytes, target)
-    cost.compute = out_max * CYCLES_PER_VECTOR / item + VERTEX_OVERHEAD
+    cost.compute = out_max * K.CYCLES_PER_VECTOR / item + K.VERTEX_OVERHEAD
     cost.sync = 2 * target.sync_cycles           # exchange indices, then rows
     return cost
 
@@ -309,7 +312,7 @@ def _sort_cost(op, target, outs, cost):
     per_tile = float(data.mapping.max_bytes())
     spread = max(1, data.mapping.n_tiles)
     remote = min(rounds, int(np.ceil(np.log2(spread))) * (r + 1) // 2) if spread > 1 else 0
-    cost.compute = rounds * (per_tile / _vector_rate(target) + VERTEX_OVERHEAD)
+    cost.compute = rounds * (per_tile / _vector_rate(target) + K.VERTEX_OVERHEAD)
     cost.exchange = remote * _exchange_cycles(per_tile, target)
     cost.sync = (1 + remote) * target.sync_cycles
     cost.flops = rounds * data.numel
@@ -331,10 +334,6 @@ def _sorted_length(op, data):
     return data.shape[dim]
 
 
-AMP_IN_GROUP = 8                # input channels an AMP unit takes at once (fp32)
-AMP_OUT_GROUP = 16              # output channels produced together
-MIN_MACS_PER_TILE = 1024        # below this a tile's vertex overhead dominates
-OUTPUT_GRAIN = 16               # output elements kept together on one tile
 
 
 def _plan_matmul(op, target, amp, outs, item, cost):
@@ -375,12 +374,12 @@ def _matmul_on_tiles(macs, k_ch, o_ch, operand_bytes, out_elems, item, extra, ta
     """
     tiles = target.tiles
     k_ch, o_ch = max(1, int(k_ch)), max(1, int(o_ch))
-    fill = (min(k_ch, AMP_IN_GROUP) / _ceil_to(min(k_ch, AMP_IN_GROUP), AMP_IN_GROUP)
-            * o_ch / _ceil_to(o_ch, AMP_OUT_GROUP))
+    fill = (min(k_ch, K.AMP_IN_GROUP) / _ceil_to(min(k_ch, K.AMP_IN_GROUP), K.AMP_IN_GROUP)
+            * o_ch / _ceil_to(o_ch, K.AMP_OUT_GROUP))
     amp_rate = _amp_rate(target, item, partial_item)
     rate = max(_vector_rate(target) / item, amp_rate * fill)   # vector MACs as a floor
-    p = int(max(1, min(tiles, macs // MIN_MACS_PER_TILE)))
-    p_out = int(max(1, min(p, -(-out_elems // OUTPUT_GRAIN))))
+    p = int(max(1, min(tiles, macs // K.MIN_MACS_PER_TILE)))
+    p_out = int(max(1, min(p, -(-out_elems // K.OUTPUT_GRAIN))))
     r = max(1, p // p_out)
     # The largest operand (usually the weights) is laid out for this matmul and
     # stays put; the others are exchanged, each tile receiving its slices.
@@ -389,7 +388,7 @@ def _matmul_on_tiles(macs, k_ch, o_ch, operand_bytes, out_elems, item, extra, ta
     limit = amp * target.bytes_per_tile
     serial = max(min_serial, int(np.ceil(recv / limit)))
     cost.macs, cost.flops = macs, 2 * macs
-    cost.compute = macs / p / rate + VERTEX_OVERHEAD * (serial + extra)
+    cost.compute = macs / p / rate + K.VERTEX_OVERHEAD * (serial + extra)
     cost.exchange = _exchange_cycles(recv, target)
     cost.sync = target.sync_cycles * (serial + extra)
     temp = np.zeros(tiles)
@@ -397,7 +396,7 @@ def _matmul_on_tiles(macs, k_ch, o_ch, operand_bytes, out_elems, item, extra, ta
     if r > 1:
         partial_bytes = out_elems * (partial_item or item) / p_out * r
         cost.exchange += _exchange_cycles(partial_bytes, target)
-        cost.compute += partial_bytes / _vector_rate(target) + VERTEX_OVERHEAD
+        cost.compute += partial_bytes / _vector_rate(target) + K.VERTEX_OVERHEAD
         cost.sync += target.sync_cycles
         # each tile holds its partial sums of its outputs until they are reduced
         temp[:p] += out_elems * (partial_item or item) / p_out / serial
@@ -431,7 +430,7 @@ def _serialized_matmul(op, serialization, target, amp, outs, item, cost):
         lhs_b, rhs_b, k_ch = lhs_b / factor, rhs_b / factor, k_ch / factor
     else:
         rhs_b, out_elems, o_ch = rhs_b / factor, out_elems / factor, o_ch / factor
-    extra = EXTRA_SUPERSTEPS.get(name, DEFAULT_EXTRA_SUPERSTEPS)
+    extra = _extra_supersteps(name)
     piece = _matmul_on_tiles(macs / factor, k_ch, o_ch, [lhs_b, rhs_b], int(out_elems), item,
                              extra, target, amp, OpCost(), _partials_item(op, item))
     cost.macs, cost.flops = macs, 2 * macs
@@ -441,7 +440,7 @@ def _serialized_matmul(op, serialization, target, amp, outs, item, cost):
     if mode == "reducing_dim":
         partial = 4 if keep_precision else item
         acc = sum(t.numel for t in outs) * partial / target.tiles
-        cost.compute += (factor - 1) * (acc / _vector_rate(target) + VERTEX_OVERHEAD)
+        cost.compute += (factor - 1) * (acc / _vector_rate(target) + K.VERTEX_OVERHEAD)
         cost.temp_bytes = piece.temp_bytes + acc
     return cost
 
@@ -457,7 +456,7 @@ def _partials_item(op, item):
 def _plan_matmul_plain(op, target, amp, outs, item, cost):
     macs, _ = _macs(op)
     k_ch, o_ch = _channels(op)
-    extra = EXTRA_SUPERSTEPS.get(op.target.overloadpacket.__name__, DEFAULT_EXTRA_SUPERSTEPS)
+    extra = _extra_supersteps(op.target.overloadpacket.__name__)
     return _matmul_on_tiles(macs, k_ch, o_ch, [t.nbytes for t in op.input_tensors()],
                             sum(t.numel for t in outs), item, extra, target, amp, cost,
                             _partials_item(op, item))
@@ -469,7 +468,7 @@ def _conv_plan(op, target, amp, item, partial_item, back_off):
     with the least temporary memory (more serial chunks)."""
     macs, _ = _macs(op)
     k_ch, o_ch = _channels(op)
-    extra = EXTRA_SUPERSTEPS.get(op.target.overloadpacket.__name__, DEFAULT_EXTRA_SUPERSTEPS)
+    extra = _extra_supersteps(op.target.overloadpacket.__name__)
     outs = [t for t in op.outputs if t is not None]
     args = (macs, k_ch, o_ch, [t.nbytes for t in op.input_tensors()],
             sum(t.numel for t in outs), item, extra, target, amp)
@@ -532,12 +531,7 @@ def _multiconv_cost(op, group, target, amp, item):
     return cost
 
 
-# Work per hidden unit and time step of an LSTM cell (popnn's LSTM): three
-# sigmoids and two tanh (each at a quarter of the vector rate), then
-# c = f*c + i*g and h = o*tanh(c) and the two bias adds; the backward
-# differentiates each of them (counted as the same work twice).
-LSTM_CELL_TRANSCENDENTAL = 5
-LSTM_CELL_ELEMENTWISE = 6
+# Work per hidden unit and time step of an LSTM cell: constants.LSTM_CELL_*.
 
 
 def _rnn_cost(op, target, amp, outs, item, cost):
@@ -558,12 +552,12 @@ def _rnn_cost(op, target, amp, outs, item, cost):
 
     def matmul(macs, k, n, operand_bytes, out_elems):
         return _matmul_on_tiles(macs, k, n, operand_bytes, out_elems, item,
-                                DEFAULT_EXTRA_SUPERSTEPS, target, amp, OpCost())
+                                K.MATMUL_EXTRA_SUPERSTEPS, target, amp, OpCost())
 
     cell = batch * hidden
     per_cycle = _vector_rate(target) / item
-    cell_cycles = (cell * LSTM_CELL_ELEMENTWISE + 4 * cell * LSTM_CELL_TRANSCENDENTAL) / \
-        min(target.tiles, max(1, cell // OUTPUT_GRAIN)) / per_cycle + VERTEX_OVERHEAD
+    cell_cycles = (cell * K.LSTM_CELL_ELEMENTWISE + 4 * cell * K.LSTM_CELL_TRANSCENDENTAL) / \
+        min(target.tiles, max(1, cell // K.OUTPUT_GRAIN)) / per_cycle + K.VERTEX_OVERHEAD
     rows = steps * batch
     if not backward:
         whole = [matmul(rows * features * gates, features, gates,
@@ -585,8 +579,8 @@ def _rnn_cost(op, target, amp, outs, item, cost):
     cost.exchange = sum(c.exchange for c in parts)
     cost.sync = sum(c.sync for c in parts) + steps * target.sync_cycles
     cost.macs = sum(c.macs for c in parts)
-    cost.flops = 2 * cost.macs + steps * cell * (LSTM_CELL_ELEMENTWISE
-                                                 + LSTM_CELL_TRANSCENDENTAL)
+    cost.flops = 2 * cost.macs + steps * cell * (K.LSTM_CELL_ELEMENTWISE
+                                                 + K.LSTM_CELL_TRANSCENDENTAL)
     temp = np.zeros(target.tiles)
     for c in parts:
         temp = np.maximum(temp, c.temp_bytes)

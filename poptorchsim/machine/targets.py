@@ -15,22 +15,14 @@ import os
 from dataclasses import asdict, dataclass, replace
 
 from ..errors import Error
+from . import constants as _K
 
 
-# Calibrated against published throughput (benchmarks/fidelity.py): one host
-# stream copy (one input tensor of one micro-batch of one replica) costs
-# 20 us of latency on top of its bytes.  Graphcore publishes no figure; this
-# one is fitted to the on-chip row of the remote-variables tutorial's table
-# (4 replicas x 8 micro-batches x 2 inputs = 64 copies per step, 2.38 ms per
-# step), and the four off-chip rows then follow from the model unfitted.
-HOST_COPY_LATENCY_S = 2e-5
-
-# Calibrated against published throughput (benchmarks/fidelity.py): the host
-# side of one model call (launching the engine run, syncing with the host and
-# the framework's own Python) is about 0.7 ms.  The PopXL MNIST MLP's
-# inference run of one 80-sample micro-batch took 0.80 ms host-timed, of
-# which the device's share is a few microseconds.
-CALL_OVERHEAD_S = 7e-4
+# Each modelling figure below (sync cycles, PCIe, IPU-Link and Streaming
+# Memory bandwidths, the host latencies) is registered with its source in
+# constants.py (docs/cost_model.md lists them).
+HOST_COPY_LATENCY_S = _K.HOST_COPY_LATENCY_S
+CALL_OVERHEAD_S = _K.CALL_OVERHEAD_S
 
 
 @dataclass(frozen=True)
@@ -55,7 +47,7 @@ class Target:
     # bandwidth; this makes Streaming Memory about 5x slower than one IPU-Link
     # when all 4 IPUs stream, inside the "3x to 20x slower than IPU-Links"
     # that Graphcore's remote-variables tutorial quotes.
-    streaming_bytes_per_s: float = 25e9
+    streaming_bytes_per_s: float = _K.REGISTRY["streaming_bytes_per_s"].value
     ipus_per_machine: int = 4
     grain_bytes: int = 64       # smallest piece of a tensor mapped to one tile
     code_bytes_per_tile: int = 24 * 1024   # control code and runtime, always live
@@ -83,9 +75,10 @@ class Target:
 MK2 = Target("Mk2", tiles=1472, bytes_per_tile=638_976, clock_hz=1.33e9,
              amp_macs_fp32=16, amp_macs_fp16=64, amp_macs_fp16_float_partials=32,
              vector_bytes=8, workers=6,
-             exchange_bytes_per_cycle=4, sync_cycles=150,
-             link_bytes_per_s=32e9, links=10,
-             host_bytes_per_s=16e9, host_latency_s=HOST_COPY_LATENCY_S, call_overhead_s=CALL_OVERHEAD_S)
+             exchange_bytes_per_cycle=_K.REGISTRY["exchange_bytes_per_cycle"].value,
+             sync_cycles=_K.REGISTRY["sync_cycles"].value,
+             link_bytes_per_s=_K.REGISTRY["link_bytes_per_s"].value, links=10,
+             host_bytes_per_s=_K.REGISTRY["host_bytes_per_s"].value, host_latency_s=HOST_COPY_LATENCY_S, call_overhead_s=CALL_OVERHEAD_S)
 
 MK1 = replace(MK2, name="Mk1", tiles=1216, bytes_per_tile=262_144, clock_hz=1.6e9,
               amp_macs_fp32=8, amp_macs_fp16=32, amp_macs_fp16_float_partials=32,

@@ -18,6 +18,7 @@ from ..errors import Error, UnsupportedOperationError
 from ..capture.trace import capture_inference, capture_training, capture_update
 from ..ir.graph import (AllGather, AllReduce, Call, DeviceToHost, HostToDevice, Program,
                         ReduceScatter, RemoteLoad, RemoteStore, Repeat, Sequence)
+from ..machine import constants as K
 from ..machine.cost import _exchange_cycles, op_cost, with_branches_taken
 from ..machine.engine import compile_graph
 from ..machine.precision import GradientWatch
@@ -68,7 +69,7 @@ def _link_cycles(nbytes, src, dst, target):
     """An inter-IPU copy: bytes over one IPU-Link plus a sync that grows with
     the hops between the IPUs (PopLibs' global-sync model, 15 ns a hop)."""
     hops = 1 + abs(dst - src) // 2
-    sync = int(np.ceil(15e-9 * target.clock_hz * hops * 2))
+    sync = int(np.ceil(K.LINK_HOP_SECONDS * target.clock_hz * hops * 2))
     return nbytes / (target.link_bytes_per_s / target.clock_hz) + sync
 
 
@@ -216,9 +217,6 @@ def _check_overlap(capture, strategy, io_tiles):
     return inputs, outputs
 
 
-RING_STEP_SYNC_CYCLES = 1000     # one step of a ring collective: sync across IPUs
-
-
 def _ring_cycles(nbytes, replicas, phases, target):
     """A ring collective over IPU-Links: ``phases`` = 2 for an all-reduce,
     1 for a reduce-scatter or an all-gather.  Each of the (R-1) steps of a
@@ -227,7 +225,7 @@ def _ring_cycles(nbytes, replicas, phases, target):
         return 0.0
     link_bytes_per_cycle = target.link_bytes_per_s / target.clock_hz
     steps = phases * (replicas - 1)
-    return steps * (nbytes / replicas / link_bytes_per_cycle + RING_STEP_SYNC_CYCLES)
+    return steps * (nbytes / replicas / link_bytes_per_cycle + K.RING_STEP_SYNC_CYCLES)
 
 
 def _streaming_cycles(nbytes, transfers, program, target):
