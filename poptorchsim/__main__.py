@@ -1,6 +1,8 @@
 """Command line: ``python -m poptorchsim report DIR`` prints the simulation
 reports written under DIR by ``Options.enableProfiling(DIR)`` (or
-``POPLAR_ENGINE_OPTIONS='{"autoReport.all":"true","autoReport.directory":"DIR"}'``);
+``POPLAR_ENGINE_OPTIONS='{"autoReport.all":"true","autoReport.directory":"DIR"}'``),
+with the five cost-model constants each estimate depends on most
+(``executor.estimateSensitivity()``);
 ``python -m poptorchsim ops DIR`` lists the ATen operations each model uses,
 with their cost class and cycles."""
 import argparse
@@ -46,7 +48,9 @@ def main(argv=None):
             ("report", "print the simulation reports found under a directory",
              "Print a summary of every simulation report (profile.json) in DIR and its "
              "subdirectories: a model's report directory, or the profile root holding one "
-             "subdirectory per model."),
+             "subdirectory per model. Each summary ends with the five cost-model constants "
+             "whose +-20% moves the samples/s estimate most, so you know how far to "
+             "trust it."),
             ("ops", "list the ATen operations of every report under a directory",
              "For every simulation report (profile.json) in DIR and its subdirectories: "
              "each ATen operation the program holds, how often, its cost class and its "

@@ -40,7 +40,7 @@ _module = sys.modules[__name__]
 
 def _constant(name, value, unit, kind, source, field=""):
     REGISTRY[name] = Constant(name, value, unit, kind, source, field)
-    if not field:
+    if name.isupper():
         setattr(_module, name, value)
     return value
 
@@ -131,11 +131,12 @@ _constant("HOST_COPY_LATENCY_S", 2e-5, "s per host stream copy", "fitted",
           "20 us on top of its bytes. Graphcore publishes no figure: fitted to the "
           "on-chip row of the remote-variables tutorial's table (4 replicas x 8 "
           "micro-batches x 2 inputs = 64 copies per step, 2.38 ms per step); the four "
-          "off-chip rows follow from the model unfitted")
+          "off-chip rows follow from the model unfitted", field="host_latency_s")
 _constant("CALL_OVERHEAD_S", 7e-4, "s per model call", "fitted",
           "the host side of one model call (launching the engine run, syncing with the "
           "host, the framework's own Python): the PopXL MNIST MLP's inference call "
-          "took 0.80 ms host-timed, of which the device's share is a few microseconds")
+          "took 0.80 ms host-timed, of which the device's share is a few microseconds",
+          field="call_overhead_s")
 
 # --- figures that live on the Target (targets.py) ------------------------------------------
 _constant("sync_cycles", 150, "cycles per on-chip sync", "estimate",

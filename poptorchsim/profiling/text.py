@@ -125,6 +125,20 @@ def precision_lines(precision):
     return lines
 
 
+def sensitivity_lines(rows, top=5):
+    """The ``top`` cost-model constants the estimate leans on most (the report's
+    ``sensitivity`` rows, ``executor.estimateSensitivity()``)."""
+    rows = [r for r in rows if r["swing"] > 0][:top]
+    if not rows:
+        return []
+    lines = ["Estimate depends most on (samples/s with each constant x0.8 / x1.2):"]
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        lines.append(f"  {r['name']:<{width}}  {r['low']:+6.1%} / {r['high']:+6.1%}  "
+                     f"({r['kind']}: {r['value']:g} {r['unit']})")
+    return lines
+
+
 def summary(report, top=5):
     """A few readable lines: model, target, memory, the costliest ops, throughput."""
     mem, cyc, target = report["memory"], report["cycles"], report["target"]
@@ -165,6 +179,7 @@ def summary(report, top=5):
     lines.append(f"Estimated {fmt_seconds(cyc['seconds_per_call'])} per call{of}: "
                  f"{fmt_count(cyc['samples_per_second'])} samples/s")
     lines.extend(precision_lines(report.get("precision")))
+    lines.extend(sensitivity_lines(report.get("sensitivity") or []))
     return "\n".join(lines)
 
 

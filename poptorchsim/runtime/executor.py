@@ -184,7 +184,8 @@ class PoplarExecutor:
         if directory is not None:
             import os
             from ..profiling import write_report
-            write_report(self.simulationReport(), os.path.join(directory, self._model_name()))
+            write_report(self.simulationReport(sensitivity=True),
+                         os.path.join(directory, self._model_name()))
         step = next(iter(compiled.program.graphs.values()))
         self._inputs.input_writes = step.input_writes
         self._engine = Engine(compiled.step_fn, compiled.update_fn, self._shard_index(),
@@ -526,8 +527,21 @@ class PoplarExecutor:
             return {"loss_scale": 1.0, "automatic_loss_scaling": None, "gradients": None}
         return GradientMonitor.report(self._compiled, self._state)
 
-    def simulationReport(self):
-        """Memory per tile, cycles per call and per op, liveness: a JSON-ready dict."""
+    def estimateSensitivity(self, top=None):
+        """How far to trust the throughput estimate: per cost-model constant
+        (``machine.constants``), the relative change of the samples/s
+        estimate with it x0.8 (``low``) and x1.2 (``high``), the constants
+        that move it most first (``top`` of them, or all).  Only the costs
+        are recomputed, not the graph."""
+        from .sensitivity import sensitivity
+        self._require_compiled()
+        amp = self._options.available_memory_proportion.get("IPU0", 0.6)
+        rows = [r.as_dict() for r in sensitivity(self._compiled, amp)]
+        return rows[:top] if top else rows
+
+    def simulationReport(self, sensitivity=False):
+        """Memory per tile, cycles per call and per op, liveness: a JSON-ready dict
+        (with ``sensitivity=True`` also ``estimateSensitivity()``'s rows)."""
         from .report import build_report
         self._require_compiled()
         di, ga, rf = self._factors()
@@ -535,6 +549,8 @@ class PoplarExecutor:
         batch = micro[0].shape[0] if micro and micro[0].dim() else 1
         report = build_report(self._compiled, self._model_name(), batch * di * ga * rf)
         report["precision"] = self.precisionReport()
+        if sensitivity:
+            report["sensitivity"] = self.estimateSensitivity()
         return report
 
     def _model_name(self):
