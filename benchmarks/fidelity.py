@@ -206,6 +206,232 @@ def _remote_case(threshold, on_chip, published):
     return build
 
 
+# -- Graphcore's published large configurations (Bow Pod16, docs/fidelity.md) --------------
+# Built from torchvision / Hugging Face configs (no weights), wrapped and compiled
+# as graphcore/examples did; one replica is simulated (replicas are data-parallel
+# copies: their all-reduce and Streaming Memory share are in the estimate).
+# vision/cnns/pytorch/train/configs.yml `resnet50:` recompute_checkpoints, matched
+# like models/model_manipulator.py: an fx node's name, or its module's path with "/"
+RESNET50_CHECKPOINTS = [
+    "add", "add_1", "add_2", "add_3", "add_5", "add_6", "add_7", "add_9", "add_11", "add_12",
+    "layer4/0/conv1", "layer4/0/bn1", "layer4/0/conv2", "layer4/0/bn2", "layer4/0/conv3",
+    "layer4/0/bn3", "layer4/0/downsample_0", "layer4/0/downsample/1", "add_13",
+    "layer4/1/conv1", "layer4/1/bn1", "layer4/1/conv2", "layer4/1/bn2", "layer4/1/conv3",
+    "layer4/1/bn3", "add_14", "layer4/2/conv1", "layer4/2/bn1", "layer4/2/conv2",
+    "layer4/2/bn2", "layer4/2/conv3", "layer4/2/bn3", "add_15", "avgpool", "fc"]
+
+
+def with_recomputation_checkpoints(model, patterns):
+    """``model`` traced by torch.fx with poptorch.recomputationCheckpoint after
+    every node whose name matches one of ``patterns`` (the examples' ModelManipulator)."""
+    import re
+    gm = torch.fx.symbolic_trace(model)
+    modules = dict(gm.named_modules())
+    for node in list(gm.graph.nodes):
+        name = (str(node.target).replace(".", "/")
+                if node.op == "call_module" and str(node.target) in modules else str(node))
+        if any(re.fullmatch(p, name) for p in patterns):
+            with gm.graph.inserting_after(node):
+                ckpt = gm.graph.call_function(poptorch.recomputationCheckpoint, (node,))
+            node.replace_all_uses_with(ckpt)
+            ckpt.args = (node,)
+    gm.recompile()
+    return gm
+
+
+class ImageClassifierWithLoss(nn.Module):
+    """The examples' NormalizeInputModel (8-bit images normalized on the IPU, in
+    fp16) and TrainingModelWithLoss (NLL of log_softmax in fp32, label smoothing 0.1)."""
+
+    def __init__(self, model, smoothing=0.1):
+        super().__init__()
+        mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+        self.model, self.smoothing = model, smoothing
+        self.register_buffer("mul", (1.0 / (255.0 * std)).view(-1, 1, 1).half())
+        self.register_buffer("sub", (mean / std).view(-1, 1, 1).half())
+
+    def forward(self, images, labels):
+        pred = self.model(images.half().mul(self.mul).sub(self.sub))
+        log_preds = F.log_softmax(pred.float(), dim=1)
+        loss = (F.nll_loss(log_preds, labels) * (1.0 - self.smoothing)
+                - log_preds.mean() * self.smoothing)
+        return pred, loss
+
+
+def _expanded(n, shape, dtype):
+    """A combined batch of ``n`` samples that takes one sample's memory (synthetic data)."""
+    return torch.zeros((1, *shape), dtype=dtype).expand(n, *shape)
+
+
+def resnet_training(micro=18, arch="resnet50", checkpoints=RESNET50_CHECKPOINTS, image=224,
+                    replicas=16, ga=57, ipu="ipu21"):
+    """vision/cnns/pytorch/train/configs.yml `resnet50` (utils/ipu_settings.py
+    train_settings, train/train.py create_training_opts and get_optimizer):
+    precision 16.16, half partials, stochastic rounding, manual recomputation
+    (RecomputeAll + the checkpoints), AMP 0.16, SGD combined, loss scaling 128."""
+    import torchvision
+    model = with_recomputation_checkpoints(getattr(torchvision.models, arch)(), checkpoints)
+    model = ImageClassifierWithLoss(model.half())
+    opts = _quiet(poptorch.Options().replicationFactor(replicas))
+    opts.useIpuModelVersion(ipu)
+    opts.enableSyntheticData(True)
+    opts.Precision.setPartialsType(torch.float16)
+    opts.Precision.enableStochasticRounding(True)
+    opts._Popart.set("autoRecomputation", 4)        # RecomputationType.RecomputeAll
+    opts._Popart.set("explicitRecomputation", True)
+    opts.setAvailableMemoryProportion({"IPU0": 0.16})
+    opts.outputMode(poptorch.OutputMode.Sum)
+    opts.Training.accumulationAndReplicationReductionType(poptorch.ReductionType.Mean)
+    opts.Training.gradientAccumulation(ga)
+    opts.randomSeed(42)
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    no_decay = [p for p in model.parameters() if p.dim() == 1]
+    optimizer = poptorch.optim.SGD(
+        [{"params": decay, "weight_decay": 1e-4}, {"params": no_decay, "weight_decay": 0}],
+        lr=2.0, momentum=0.9, loss_scaling=128, velocity_scaling=128, use_combined_accum=True)
+    tm = poptorch.trainingModel(model, opts, optimizer)
+    n = micro * ga * replicas
+    tm.compile(_expanded(n, (3, image, image), torch.uint8), _expanded(n, (), torch.long))
+    return tm, n
+
+
+class _SerializedDecoder(nn.Linear):
+    """The examples' SerializedLinear: the MLM decoder's matmul split over output channels."""
+
+    def __init__(self, hidden, vocab, factor):
+        super().__init__(hidden, vocab)
+        self.factor = factor
+
+    def forward(self, x):
+        return poptorch.serializedMatMul(
+            x, self.weight.t(), poptorch.MatMulSerializationMode.OutputChannels,
+            self.factor) + self.bias
+
+
+class PipelinedBertForPretraining(nn.Module):
+    """transformers.BertForPreTraining from a config, split as the examples'
+    modeling.py parallelize(): embeddings, pooler and heads on IPU 0, encoder
+    layers by ``layers_per_ipu``, a recomputation checkpoint on every layer's
+    output; masked positions gathered by a one-hot matmul; MLM + NSP losses."""
+
+    def __init__(self, config, layers_per_ipu, serialization=1):
+        import transformers
+        super().__init__()
+        m = transformers.BertForPreTraining(config)
+        self.bert, self.cls, self.vocab = m.bert, m.cls, config.vocab_size
+        if serialization > 1:
+            decoder = _SerializedDecoder(config.hidden_size, config.vocab_size, serialization)
+            decoder.weight = self.bert.embeddings.word_embeddings.weight     # tied
+            self.cls.predictions.decoder = decoder
+        self.bert.embeddings = poptorch.BeginBlock(self.bert.embeddings, "Embedding", ipu_id=0)
+        ipu_of = [ipu for ipu, n in enumerate(layers_per_ipu) for _ in range(n)]
+        for i, layer in enumerate(self.bert.encoder.layer):
+            layer.register_forward_hook(_checkpoint_outputs)
+            self.bert.encoder.layer[i] = poptorch.BeginBlock(layer, f"Encoder{i}",
+                                                             ipu_id=ipu_of[i])
+        self.bert.pooler = poptorch.BeginBlock(self.bert.pooler, "Pooler", ipu_id=0)
+        self.cls = poptorch.BeginBlock(self.cls, "Classifier", ipu_id=0)
+
+    def forward(self, input_ids, attention_mask, token_type_ids, masked_lm_positions,
+                masked_lm_labels, next_sentence_label):
+        sequence, pooled = self.bert(input_ids=input_ids, attention_mask=attention_mask,
+                                     token_type_ids=token_type_ids)[:2]
+        one_hot = F.one_hot(masked_lm_positions, sequence.shape[1]).to(sequence.dtype)
+        mlm_scores, nsp_scores = self.cls(torch.matmul(one_hot, sequence), pooled)
+        mlm = F.cross_entropy(mlm_scores.view(-1, self.vocab), masked_lm_labels.view(-1),
+                              ignore_index=0).float()
+        nsp = F.cross_entropy(nsp_scores.view(-1, 2), next_sentence_label.view(-1)).float()
+        return poptorch.identity_loss(mlm + nsp, reduction="none"), mlm, nsp
+
+
+def _checkpoint_outputs(module, inputs, outputs):
+    if isinstance(outputs, tuple):
+        return tuple(poptorch.recomputationCheckpoint(y) for y in outputs)
+    return poptorch.recomputationCheckpoint(outputs)
+
+
+BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                 intermediate_size=3072)
+BERT_LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                  intermediate_size=4096)
+
+
+def bert_pretraining(size, layers_per_ipu, micro, ga, amp, loss_scaling, bias_correction,
+                     serialization=1, replicas=4, seq=128, mask_tokens=20, vocab=30522,
+                     ipu="ipu21"):
+    """nlp/bert/pytorch/configs_pretraining.yml (`defaults` and the phase-1
+    config), ipu_options.py get_options and optimization.py get_optimizer:
+    fp16 model, pipelined over 4 IPUs, per-IPU AMP, half partials, stochastic
+    rounding, optimizer state off chip with replicated tensor sharding, LAMB
+    (fp16 accumulation, fp32 moments, no update for biases), Mean reduction."""
+    import transformers
+    config = transformers.BertConfig(vocab_size=vocab, layer_norm_eps=0.001,
+                                     attention_probs_dropout_prob=0.0,
+                                     attn_implementation="eager", **size)
+    model = PipelinedBertForPretraining(config, layers_per_ipu, serialization).half().train()
+    opts = _quiet(poptorch.Options().replicationFactor(replicas))
+    opts.useIpuModelVersion(ipu)
+    opts.enableSyntheticData(True)
+    opts.autoRoundNumIPUs(True)
+    opts.Training.gradientAccumulation(ga)
+    opts.Training.accumulationAndReplicationReductionType(poptorch.ReductionType.Mean)
+    opts.outputMode(poptorch.OutputMode.Sum)
+    opts.randomSeed(5)
+    opts.TensorLocations.setOptimizerLocation(
+        poptorch.TensorLocationSettings().useOnChipStorage(False)
+        .useReplicatedTensorSharding(True))
+    opts.setExecutionStrategy(poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement))
+    opts.setAvailableMemoryProportion({f"IPU{i}": a for i, a in enumerate(amp)})
+    opts.Precision.enableStochasticRounding(True)
+    opts.Precision.setPartialsType(torch.float16)
+    groups = [{"params": [], "weight_decay": 0, "max_weight_norm": 0},
+              {"params": [], "weight_decay": 0}, {"params": [], "weight_decay": 0.01}]
+    for name, p in model.named_parameters():
+        groups[0 if "bias" in name else 1 if p.dim() == 1 else 2]["params"].append(p)
+    optimizer = poptorch.optim.LAMB(
+        groups, lr=0.006, weight_decay=0, eps=1e-6, loss_scaling=loss_scaling,
+        max_weight_norm=None, accum_type=torch.float16,
+        first_order_momentum_accum_type=torch.float32,
+        second_order_momentum_accum_type=torch.float32, bias_correction=bias_correction)
+    tm = poptorch.trainingModel(model, opts, optimizer)
+    n = micro * ga * replicas
+    tm.compile(*[_expanded(n, (seq,), torch.long)] * 3,
+               *[_expanded(n, (mask_tokens,), torch.long)] * 2, _expanded(n, (1,), torch.long))
+    return tm, n
+
+
+# packed data (run_pretraining.py --packed-data): 1.17 sequences per pack at SL128
+# (configs_pretraining.yml packing_factor); the gradient accumulation is divided
+# by it (args.py) and the throughput counts sequences, packs x packing ratio
+PACKING_FACTOR_128 = 1.17
+
+
+def resnet50_pod16(micro=18):
+    tm, n = resnet_training(micro)
+    return tm, n, 42_029
+
+
+def bert_base_ph1_pod16(micro=32):
+    tm, n = bert_pretraining(BERT_BASE, [0, 4, 4, 4], micro, 512, [0.25] * 4, 16384.0, False)
+    return tm, n, 15_911
+
+
+def bert_large_ph1_packed_pod16(micro=8):
+    import math
+    tm, n = bert_pretraining(BERT_LARGE, [3, 7, 7, 7], micro,
+                             math.ceil(2048 / PACKING_FACTOR_128), [0.15, 0.25, 0.25, 0.25],
+                             4096.0, True, serialization=2)
+    return tm, n * PACKING_FACTOR_128, 5_600
+
+
+# name: (builder, published micro-batch, a micro-batch that must not fit)
+LARGE_CONFIGS = {
+    "ResNet-50 v1.5, Bow Pod16, 16 replicas, img/s": (resnet50_pod16, 18, 54),
+    "BERT-Base Ph1 SL128, Bow Pod16 (SDK 3.3 PyTorch), seq/s": (bert_base_ph1_pod16, 32, 128),
+    "BERT-Large Ph1 SL128 packed, Bow Pod16, seq/s": (bert_large_ph1_packed_pod16, 8, 32),
+}
+
+
 CONFIGS = {
     "efficient-data-loading CNN, training, synthetic (PopTorch)": data_loading_cnn,
     "PopXL MNIST MLP, inference, micro-batch 80": popxl_mlp_inference,
@@ -215,16 +441,46 @@ CONFIGS.update({f"seed remote variables: {name}": _remote_case(th, on_chip, pub)
                 for name, th, on_chip, pub in REMOTE_CASES})
 
 
-def run():
+def _row(name, executor, samples, published):
+    est = executor.cycleEstimate()
+    estimated = samples / est["seconds"]
+    split = {k: est[k] / est["total"] for k in ("compute", "exchange", "sync", "host",
+                                                "collective", "streaming") if est.get(k)}
+    return {"config": name, "samples_per_call": samples, "estimated": estimated,
+            "published": published, "ratio": estimated / published, "split": split}
+
+
+def large_row(name, build, micro, too_large):
+    """A published configuration: its estimate, its peak tile memory (it must
+    fit), and the same build at a larger micro-batch (it must not)."""
+    import time
+    t0 = time.perf_counter()
+    executor, samples, published = build(micro)
+    row = _row(name, executor, samples, published)
+    est = executor.cycleEstimate()
+    row["compile_seconds"] = time.perf_counter() - t0
+    row["recompute_share"] = est.get("recompute", 0) / est["total"]
+    row["bubble_share"] = est.get("bubble", 0) / est["total"]
+    memory = executor.memoryReport()
+    row["micro_batch"] = micro
+    row["peak_tile_bytes"] = [int(m.total.max()) for m in getattr(memory, "ipus", [memory])]
+    row["tile_capacity"] = int(memory.capacity)
+    row["fits"] = max(row["peak_tile_bytes"]) <= memory.capacity
+    executor.destroy()
+    row["larger_micro_batch"] = too_large
+    try:
+        build(too_large)[0].destroy()
+        row["larger_out_of_memory"] = None
+    except poptorch.OutOfMemoryError as error:
+        row["larger_out_of_memory"] = str(error).split(". ")[0]
+    return row
+
+
+def run(quick=False):
     rows = []
     for name, build in CONFIGS.items():
         executor, samples, published, *loading = build()
-        est = executor.cycleEstimate()
-        estimated = samples / est["seconds"]
-        split = {k: est[k] / est["total"] for k in ("compute", "exchange", "sync", "host",
-                                                    "collective", "streaming") if est.get(k)}
-        row = {"config": name, "samples_per_call": samples, "estimated": estimated,
-               "published": published, "ratio": estimated / published, "split": split}
+        row = _row(name, executor, samples, published)
         if loading:
             # the host's input pipeline overlaps the device (asynchronous loader)
             row["ipu_only"], row["ipu_only_ratio"] = estimated, estimated / published
@@ -232,6 +488,9 @@ def run():
             row["estimated"] = samples / max(est["seconds"], loading[0])
             row["ratio"] = row["estimated"] / published
         rows.append(row)
+    if not quick:
+        for name, (build, micro, too_large) in LARGE_CONFIGS.items():
+            rows.append(large_row(name, build, micro, too_large))
     return rows
 
 
@@ -247,8 +506,10 @@ def main(argv=None):
     p.add_argument("--json", help="write the results here")
     p.add_argument("--strict", action="store_true",
                    help="exit non-zero when a ratio is outside [0.5, 2]")
+    p.add_argument("--quick", action="store_true",
+                   help="the small configurations only (the large ones take minutes)")
     args = p.parse_args(argv)
-    rows = run()
+    rows = run(args.quick)
     print(f"{'configuration':58s} {'estimated':>11s} {'published':>10s} {'ratio':>6s}")
     for r in rows:
         split = " ".join(f"{k} {v:.0%}" for k, v in r["split"].items())
@@ -259,13 +520,27 @@ def main(argv=None):
                   f"{r['ipu_only']:11,.0f} {r['published']:10,.0f} {r['ipu_only_ratio']:6.2f}"
                   f"   (host loading {r['loading_seconds_per_call'] * 1e3:.0f} ms per call "
                   "with 16 workers)")
+        if "peak_tile_bytes" in r:
+            cap = r["tile_capacity"]
+            peaks = ", ".join(f"{b / 1024:.0f}" for b in r["peak_tile_bytes"])
+            print(f"    recompute {r['recompute_share']:.0%}, pipeline bubble "
+                  f"{r['bubble_share']:.0%}; compiled in {r['compile_seconds']:.0f} s")
+            print(f"    micro-batch {r['micro_batch']}: peak tile memory per IPU {peaks} KiB "
+                  f"of {cap / 1024:.0f} KiB: " + ("fits" if r["fits"] else "DOES NOT FIT"))
+            oom = r["larger_out_of_memory"]
+            print(f"    micro-batch {r['larger_micro_batch']}: "
+                  + (f"out of memory ({oom})" if oom else "FITS (it should not)"))
+    memory_bad = [r["config"] for r in rows if "fits" in r
+                  and (not r["fits"] or not r["larger_out_of_memory"])]
     outside = [r["config"] for r in rows if not 0.5 <= r["ratio"] <= 2.0]
     order_ok = remote_order_matches(rows)
     print("seed remote-variables table: order "
           + ("matches" if order_ok else "DIFFERS from") + " the published one")
-    ok = not outside and order_ok
-    print("all ratios within [0.5, 2]" if ok else
+    ok = not outside and order_ok and not memory_bad
+    print("all ratios within [0.5, 2]" if not outside else
           "outside [0.5, 2]: " + "; ".join(outside))
+    if memory_bad:
+        print("memory differs from the published runs: " + "; ".join(memory_bad))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -449,12 +449,6 @@ def _sharded_state(model, optimizer, capture, settings, replicas, plan=None):
     names = tensor_locations.sharded_parameters(settings, numels, replicas)
     if plan is not None and plan.kind == "sgd_combined":
         return {}       # the combined variant has no optimizer state to shard
-    if names and plan is not None and plan.kind == "lamb":
-        raise Error(
-            "LAMB's trust ratio needs the norms of whole weights, but replicated tensor "
-            f"sharding of the optimizer state leaves each replica with a shard of {len(names)} "
-            "parameter(s) (poptorchsim does not all-reduce the partial norms). Turn sharding "
-            "off with TensorLocationSettings().useReplicatedTensorSharding(False).")
     if names and max_grad_norm(optimizer) is not None:
         raise Error(
             "max_grad_norm needs the global gradient norm, but replicated tensor sharding "
@@ -462,6 +456,18 @@ def _sharded_state(model, optimizer, capture, settings, replicas, plan=None):
             "parameter(s). Drop max_grad_norm, or turn sharding off with "
             "TensorLocationSettings().useReplicatedTensorSharding(False).")
     return {n: replicas for n in names}
+
+
+def _numeric_update(model, optimizer, capture, plan, shards, update, unit_scale):
+    """(update, shards) the engine runs.  LAMB's trust ratio needs the norms
+    of whole weights: with sharded state PopART all-reduces the shards'
+    partial squared norms, so every replica scales its shard as the whole
+    weight would be.  The program (memory, cycles) keeps the sharded
+    update; the numerics run the same update over whole weights, which
+    gives those values."""
+    if not shards or plan.kind != "lamb":
+        return update, shards
+    return _build_update(model, optimizer, capture, plan, None, unit_scale), {}
 
 
 def update_plan(optimizer, ga, running_mean=False, auto_loss_scaling=False):
@@ -507,9 +513,11 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
     step_graph = _lower_model(capture, "training_step", recapture)
 
     shards = _sharded_state(model, optimizer, capture, settings, rf * processes, plan)
-    update = _build_update(model, optimizer, capture, plan, shards,
-                           unit_scale=ga * rf * processes == 1 and not plan.loss_scaling)
+    unit_scale = ga * rf * processes == 1 and not plan.loss_scaling
+    update = _build_update(model, optimizer, capture, plan, shards, unit_scale=unit_scale)
     update_graph = update.graph
+    numeric, numeric_shards = _numeric_update(model, optimizer, capture, plan, shards,
+                                              update, unit_scale)
     in_bytes = _bytes((t.shape, t.dtype)
                       for t in capture.example_inputs) * ga * rf * di
     program = Program("training", {"training_step": step_graph,
@@ -524,19 +532,23 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
         recomputation, program.pipelined and program.n_ipus > 1), program.pipelined)
 
     watch = _watch_gradients(program, model, auto_loss_scaling)
+    if numeric is not update and auto_loss_scaling:
+        _add_scale_update(numeric.graph, model, auto_loss_scaling)
 
     bar.set_description("Tile mapping"); bar.update(1)
     _map_training(step_graph, update_graph, target)
     variables = {}
     _map_variables(program, target, variables)
-    rounding = apply_precision(precision, [step_graph, update_graph])
+    rounding = apply_precision(precision, [step_graph, update_graph]
+                               + ([numeric.graph] if numeric is not update else []))
     costs, memory, cycles = _plan(program, target, amp, variables, allow_oom, bar, settings)
     step_fn = compile_graph(step_graph)
-    update_fn = compile_graph(update_graph)
+    update_fn = compile_graph(numeric.graph)
     bar.update(1); bar.close()
     compiled = Compiled(capture, program, target, memory, costs, cycles, step_fn, update_fn,
-                        plan.kind, update.group_of, update.flags, time.perf_counter() - t0,
-                        plan.max_grad_norm, shards, plan, update.slots, update.layouts)
+                        plan.kind, numeric.group_of, numeric.flags, time.perf_counter() - t0,
+                        plan.max_grad_norm, numeric_shards, plan, numeric.slots,
+                        numeric.layouts)
     compiled.location_settings = settings
     compiled.precision, compiled.rounding = precision, rounding
     compiled.watch, compiled.auto_loss_scaling = watch, auto_loss_scaling
@@ -733,29 +745,33 @@ def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False, running
     check_loss_scaling(compiled, plan)
     shards = _sharded_state(model, optimizer, compiled.capture, settings,
                             program.total_replicas, plan)
-    update = _build_update(
-        model, optimizer, compiled.capture, plan, shards,
-        unit_scale=program.accumulation * program.total_replicas == 1 and not plan.loss_scaling)
+    unit_scale = program.accumulation * program.total_replicas == 1 and not plan.loss_scaling
+    update = _build_update(model, optimizer, compiled.capture, plan, shards,
+                           unit_scale=unit_scale)
     graph = update.graph
-    if auto_loss_scaling:
-        _add_scale_update(graph, model, auto_loss_scaling)
+    numeric, numeric_shards = _numeric_update(model, optimizer, compiled.capture, plan,
+                                              shards, update, unit_scale)
+    graphs = [graph] + ([numeric.graph] if numeric is not update else [])
+    for g in graphs:
+        if auto_loss_scaling:
+            _add_scale_update(g, model, auto_loss_scaling)
+        g.rounding = getattr(compiled, "rounding", None)
     program.graphs["optimizer_update"] = graph
     program.sharded_state = set(shards)
-    graph.rounding = getattr(compiled, "rounding", None)
     if (getattr(compiled, "precision", None) or {}).get("partials") == "half":
-        apply_precision({"partials": "half"}, [graph])
+        apply_precision({"partials": "half"}, graphs)
     variables = {}
     step = program.graphs["training_step"]
     _map_training(step, graph, compiled.target)
     _map_variables(program, compiled.target, variables)
     compiled.costs, compiled.memory, compiled.cycles = _plan(
         program, compiled.target, amp, variables, allow_oom, settings=settings)
-    compiled.shards = shards
-    compiled.update_fn = compile_graph(graph)
-    compiled.optimizer_kind, compiled.group_of, compiled.flags = (plan.kind, update.group_of,
-                                                                  update.flags)
+    compiled.shards = numeric_shards
+    compiled.update_fn = compile_graph(numeric.graph)
+    compiled.optimizer_kind, compiled.group_of, compiled.flags = (plan.kind, numeric.group_of,
+                                                                  numeric.flags)
     compiled.max_grad_norm = plan.max_grad_norm
-    compiled.plan, compiled.slots, compiled.layouts = plan, update.slots, update.layouts
+    compiled.plan, compiled.slots, compiled.layouts = plan, numeric.slots, numeric.layouts
     return compiled
 
 

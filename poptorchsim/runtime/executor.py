@@ -133,8 +133,10 @@ class PoplarExecutor:
         self._inputs.check_no_grad(leaves)
         self._inputs.check_batch(leaves, di, ga, rf, self._options)
         factor = di * ga * rf
+        # one micro-batch, dense as it lands on the device: an expanded or
+        # strided host tensor traces as a contiguous one (x.view(-1) works)
         micro = pytree.tree_map_only(
-            torch.Tensor, lambda t: t[: (t.shape[0] // factor)] if t.dim() else t,
+            torch.Tensor, lambda t: t[: (t.shape[0] // factor)].contiguous() if t.dim() else t,
             (args, kwargs))
         o = self._options
         amp = o.available_memory_proportion.get("IPU0", 0.6)
