@@ -7,7 +7,7 @@ import torch
 
 import poptorchsim as poptorch
 from conftest import ClassifierWithLoss, classification_batch, quiet_options
-from poptorchsim.machine.cost import VERTEX_OVERHEAD
+from poptorchsim.machine.cost import VERTEX_OVERHEAD, _vertex_cycles
 from poptorchsim.machine.targets import MK1, MK2
 from poptorchsim.profiling import op_table, write_report
 
@@ -40,7 +40,10 @@ def test_half_partials_double_the_amp_rate_on_mk2():
     fl = _matmul_cost(x, 1024, 1024, torch.float)
     half = _matmul_cost(x, 1024, 1024, torch.half)
     assert fl.macs == half.macs == 256 * 1024 * 1024
-    ratio = (fl.compute - 2 * VERTEX_OVERHEAD) / (half.compute - 2 * VERTEX_OVERHEAD)
+    # the fixed part: one extra compute set and the AMP vertex's own cycles
+    # (1024/8 x 1024/16 channel groups shared by 1472 tiles)
+    fixed = VERTEX_OVERHEAD + _vertex_cycles(1, 1024, 1024, 1472)
+    ratio = (fl.compute - fixed) / (half.compute - fixed)
     assert ratio == MK2.amp_macs_fp16 / MK2.amp_macs_fp16_float_partials == 2.0
     assert half.total < fl.total
     # Mk1's AMP runs fp16 at the same rate with either partials type

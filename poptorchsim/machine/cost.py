@@ -50,7 +50,12 @@ def _vector_rate(target):
 
 
 def _exchange_cycles(nbytes, target):
-    return nbytes / (target.exchange_bytes_per_cycle * K.EXCHANGE_EFFICIENCY)
+    """An exchange of ``nbytes`` to the busiest tile: its fixed set-up
+    (``EXCHANGE_SETUP_CYCLES``) and the bytes at the effective rate."""
+    if nbytes <= 0:
+        return 0.0
+    return K.EXCHANGE_SETUP_CYCLES + nbytes / (target.exchange_bytes_per_cycle
+                                               * K.EXCHANGE_EFFICIENCY)
 
 
 @dataclass
@@ -359,8 +364,41 @@ def _amp_rate(target, item, partial_item):
     return target.amp_macs_fp16_float_partials or target.amp_macs_fp16
 
 
+def _kernel_positions(op):
+    """Vertex runs a convolution needs per channel group: ConvPartialnx1 runs
+    its workers once per kernel position, taking up to 4 kernel rows at
+    once when the input channels leave room in the AMP's weights
+    (convUnitWeightHeight 1, 2 or 4: poplibs lib/poplin/PerformanceEstimation.hpp
+    l.955-1000).  A grad-weight convolution reduces over the field as a 1x1
+    (ConvPartial1x1) run; a matmul is one run."""
+    name = op.target.overloadpacket.__name__
+    if name not in ("convolution", "convolution_backward"):
+        return 1
+    w = op.args[1] if name == "convolution" else op.args[2]
+    kernel = list(w.shape[2:]) or [1]
+    in_ch = w.shape[1] if name == "convolution" else w.shape[0]
+    fold = next(f for f in (4, 2, 1) if f <= kernel[0] and f * in_ch <= K.AMP_IN_GROUP
+                or f == 1)
+    positions = -(-kernel[0] // fold) * int(np.prod(kernel[1:]))
+    if name == "convolution":
+        return positions
+    return (positions if op.outputs[0] is not None else 0) + \
+        (1 if len(op.outputs) > 1 and op.outputs[1] is not None else 0)
+
+
+def _vertex_cycles(positions, k_ch, o_ch, p):
+    """The AMP vertex's fixed cycles on the busiest tile: its supervisor code
+    (``CONV_VERTEX_CYCLES``) and one worker run per kernel position and
+    input/output channel group it holds (``CONV_POSITION_CYCLES``).  Tiles
+    share the channel groups before a kernel position is split (that would
+    need a reduction), so a tile runs at least every kernel position once."""
+    groups = (-(-min(k_ch, 1 << 16) // K.AMP_IN_GROUP)) * (-(-o_ch // K.AMP_OUT_GROUP))
+    runs = max(positions, positions * groups / max(p, 1))
+    return K.CONV_VERTEX_CYCLES + runs * K.CONV_POSITION_CYCLES
+
+
 def _matmul_on_tiles(macs, k_ch, o_ch, operand_bytes, out_elems, item, extra, target, amp,
-                     cost, partial_item=None, min_serial=1):
+                     cost, partial_item=None, min_serial=1, positions=1):
     """A matmul of ``macs`` multiply-accumulates spread over P tiles, splitting
     output and reduction.
 
@@ -388,7 +426,8 @@ def _matmul_on_tiles(macs, k_ch, o_ch, operand_bytes, out_elems, item, extra, ta
     limit = amp * target.bytes_per_tile
     serial = max(min_serial, int(np.ceil(recv / limit)))
     cost.macs, cost.flops = macs, 2 * macs
-    cost.compute = macs / p / rate + K.VERTEX_OVERHEAD * (serial + extra)
+    cost.compute = (macs / p / rate + K.VERTEX_OVERHEAD * extra
+                    + serial * _vertex_cycles(positions, k_ch, o_ch, p))
     cost.exchange = _exchange_cycles(recv, target)
     cost.sync = target.sync_cycles * (serial + extra)
     temp = np.zeros(tiles)
@@ -459,7 +498,7 @@ def _plan_matmul_plain(op, target, amp, outs, item, cost):
     extra = _extra_supersteps(op.target.overloadpacket.__name__)
     return _matmul_on_tiles(macs, k_ch, o_ch, [t.nbytes for t in op.input_tensors()],
                             sum(t.numel for t in outs), item, extra, target, amp, cost,
-                            _partials_item(op, item))
+                            _partials_item(op, item), positions=_kernel_positions(op))
 
 
 def _conv_plan(op, target, amp, item, partial_item, back_off):
@@ -472,9 +511,11 @@ def _conv_plan(op, target, amp, item, partial_item, back_off):
     outs = [t for t in op.outputs if t is not None]
     args = (macs, k_ch, o_ch, [t.nbytes for t in op.input_tensors()],
             sum(t.numel for t in outs), item, extra, target, amp)
-    best = fastest = _matmul_on_tiles(*args, OpCost(), partial_item)
+    positions = _kernel_positions(op)
+    best = fastest = _matmul_on_tiles(*args, OpCost(), partial_item, positions=positions)
     for chunks in (2, 4, 8, 16):
-        plan = _matmul_on_tiles(*args, OpCost(), partial_item, min_serial=chunks)
+        plan = _matmul_on_tiles(*args, OpCost(), partial_item, min_serial=chunks,
+                                positions=positions)
         if plan.total <= fastest.total * (1 + back_off) and \
                 np.max(plan.temp_bytes) < np.max(best.temp_bytes):
             best = plan

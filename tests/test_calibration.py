@@ -1,0 +1,83 @@
+"""Calibration from Poplar's own cycle estimators (issue 13 part 3): a
+convolution pays ConvPartialnx1's supervisor code and one worker run per
+kernel position and channel group on every tile that holds it; an exchange
+pays its set-up; every constant has a source; the seed's remote-variables
+table keeps its order (docs/cost_model.md)."""
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import poptorchsim
+from poptorchsim.machine import constants as K
+from poptorchsim.machine.cost import _exchange_cycles, _kernel_positions, op_cost
+from poptorchsim.machine.targets import MK2
+
+from conftest import quiet_options
+
+
+def _conv_op(cin, cout, k, hw=32, batch=4):
+    model = nn.Conv2d(cin, cout, k)
+    im = poptorchsim.inferenceModel(model, quiet_options())
+    im.compile(torch.randn(batch, cin, hw, hw))
+    c = im._compiled
+    graph = c.program.graphs["inference_forward"]
+    op = next(op for op in graph.ops if op.cost_class == "conv")
+    return op, c.target
+
+
+def test_every_constant_has_a_source_and_unit():
+    for c in K.REGISTRY.values():
+        assert c.source and c.unit, c.name
+        assert c.kind in ("hardware", "poplibs", "estimate", "fitted"), c.name
+    # the fitted ones are few, and named
+    assert {c.name for c in K.REGISTRY.values() if c.kind == "fitted"} == {
+        "HOST_COPY_LATENCY_S", "CALL_OVERHEAD_S"}
+
+
+def test_kernel_positions_follow_convpartialnx1():
+    op, _ = _conv_op(5, 12, 5)
+    assert _kernel_positions(op) == 25           # 5 input channels: one kernel row at a time
+    op, _ = _conv_op(1, 5, 3)
+    # 1 channel: kernel rows go 2 at a time (weight heights are 1, 2 or 4): 2 x 3
+    assert _kernel_positions(op) == 6
+    op, _ = _conv_op(16, 16, 1)
+    assert _kernel_positions(op) == 1
+
+
+def test_small_convolution_pays_a_worker_run_per_kernel_position():
+    # 5 -> 12 channels, 5x5: one channel group on every tile, 25 runs each
+    op, target = _conv_op(5, 12, 5)
+    with K.overridden(CONV_POSITION_CYCLES=0, CONV_VERTEX_CYCLES=0):
+        bare = op_cost(op, target).compute
+    full = op_cost(op, target).compute
+    assert full - bare == pytest.approx(K.CONV_VERTEX_CYCLES + 25 * K.CONV_POSITION_CYCLES)
+    # and that fixed cost dominates such a small convolution, as on an IPU
+    assert full > 2 * bare
+
+
+def test_a_1x1_convolution_pays_one_run():
+    op, target = _conv_op(16, 16, 1)
+    with K.overridden(CONV_POSITION_CYCLES=0, CONV_VERTEX_CYCLES=0):
+        bare = op_cost(op, target).compute
+    assert op_cost(op, target).compute - bare == pytest.approx(
+        K.CONV_VERTEX_CYCLES + K.CONV_POSITION_CYCLES)
+
+
+def test_an_exchange_pays_its_setup():
+    assert _exchange_cycles(0, MK2) == 0
+    assert _exchange_cycles(4, MK2) == pytest.approx(
+        K.EXCHANGE_SETUP_CYCLES + 4 / (4 * K.EXCHANGE_EFFICIENCY))
+
+
+def test_seed_remote_variables_order():
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]
+                           / "benchmarks"))
+    import fidelity
+    rows = []
+    for name, threshold, on_chip, published in fidelity.REMOTE_CASES:
+        tm, n = fidelity.remote_variables(threshold, on_chip)
+        rows.append({"config": f"seed remote variables: {name}",
+                     "estimated": n / tm.cycleEstimate()["seconds"], "published": published})
+    assert fidelity.remote_order_matches(rows)
