@@ -235,15 +235,21 @@ def test_histograms_are_ops_of_the_program_with_a_cost():
                                       poptorch.optim.SGD(plain.parameters(), lr=0.0,
                                                          loss_scaling=2.0))
     tm_plain.compile(x, y)
-    auto = _model()
-    tm = poptorch.trainingModel(auto, _als_options(),
-                                poptorch.optim.SGD(auto.parameters(), lr=0.0, loss_scaling=2.0))
-    tm.compile(x, y)
-    ir = str(tm.getIR())
-    assert ir.count("gradient_histogram.default") == 3          # 3 backward matmuls
-    assert "loss_scale_update" in ir and "finalLossScale" in ir
+    counts = {}
+    for method in (0, 1):
+        auto = _model()
+        opts = _als_options()
+        opts._Popart.set("automaticLossScalingSettings.gradientTensorTrackingMethod", method)
+        tm = poptorch.trainingModel(auto, opts, poptorch.optim.SGD(auto.parameters(), lr=0.0,
+                                                                    loss_scaling=2.0))
+        tm.compile(x, y)
+        ir = str(tm.getIR())
+        counts[method] = ir.count("gradient_histogram.default")
+        assert "loss_scale_update" in ir and "finalLossScale" in ir
+        assert tm.cycleEstimate()["total"] > tm_plain.cycleEstimate()["total"]
+    assert counts[0] == 3                     # the 3 backward matmuls
+    assert counts[1] > counts[0]              # the default: every non-view fp16 gradient
     assert "gradient_histogram" not in str(tm_plain.getIR())
-    assert tm.cycleEstimate()["total"] > tm_plain.cycleEstimate()["total"]
 
 
 def test_errors():

@@ -536,20 +536,48 @@ def test_mixed_half_and_float_follows_type_promotion():
     torch.testing.assert_close(got, model(x), rtol=1e-3, atol=1e-3)
 
 
-def test_mixed_dtype_matmul_is_rejected_at_compile_time_as_in_pytorch():
-    class Mismatch(nn.Module):
+@pytest.mark.parametrize("conv", [False, True])
+def test_layer_weights_follow_their_input_dtype_as_in_poptorch(conv):
+    """PyTorch rejects an fp32 input to an fp16 layer (and the reverse) on the
+    CPU; PopTorch casts the layer's weight and bias to the input's type
+    (its castWeightAndBias; PopTorch's half_float_test)."""
+    torch.manual_seed(0)
+    layer = nn.Conv1d(4, 5, 2) if conv else nn.Linear(4, 5)
+    x = torch.randn(2, 4, 6) if conv else torch.randn(2, 4)
+    for model_dtype, input_dtype in [(torch.half, torch.float), (torch.float, torch.half)]:
+        model = copy.deepcopy(layer).to(model_dtype)
+        with pytest.raises(RuntimeError):
+            model(x.to(input_dtype))                          # eager PyTorch
+        got = poptorchsim.inferenceModel(model, quiet_options())(x.to(input_dtype))
+        assert got.dtype == input_dtype
+        expected = copy.deepcopy(model).to(input_dtype)(x.to(input_dtype))
+        torch.testing.assert_close(got, expected)
+
+
+def test_fp32_master_weights_train_an_fp16_model():
+    """PopTorch's test_master_weight_training: float32 weights, fp16 inputs;
+    the gradient flows back through the cast into the float32 weights."""
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
         def __init__(self):
             super().__init__()
-            self.fc = nn.Linear(4, 4).half()
+            self.linear = nn.Linear(10, 10)
+            self.loss = nn.MSELoss()
 
-        def forward(self, x):
-            return self.fc(x)
+        def forward(self, x, target):
+            out = self.linear(x)
+            return out, self.loss(out, target)
 
-    with pytest.raises(Exception) as eager:
-        Mismatch()(torch.randn(2, 4))
-    with pytest.raises(Exception) as sim:
-        poptorchsim.inferenceModel(Mismatch(), quiet_options())(torch.randn(2, 4))
-    assert "dtype" in str(sim.value) and "dtype" in str(eager.value)
+    model = Model()
+    tm = poptorchsim.trainingModel(model, quiet_options(),
+                                   torch.optim.SGD(model.parameters(), lr=0.1))
+    x, target = torch.randn(10).half(), torch.randn(10).half()
+    out, first = tm(x, target)
+    assert out.dtype == torch.half and model.linear.weight.dtype == torch.float32
+    for _ in range(200):
+        out, loss = tm(x, target)
+    assert float(loss) < 0.01 * float(first)
 
 
 # -- library paths that read tensor values only to pick a kernel ----------------------
@@ -592,3 +620,22 @@ def test_hugging_face_bert_with_a_padding_mask():
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[1, 5:] = 0                          # the second sequence is padded
     check_inference(Encoder(), ids, mask)
+
+
+def test_ipu_device_and_distributions_inside_forward():
+    """PopTorch programs create tensors on ``device="ipu"`` while traced
+    (``poptorch._impl.isDispatchTracing()``) and sample torch.distributions,
+    whose argument validation PopTorch switches off."""
+    class Model(nn.Module):
+        def forward(self, x):
+            device = "ipu" if poptorchsim._impl.isDispatchTracing() else None
+            ones = torch.ones((2, 3), dtype=x.dtype, device=device)
+            noise = torch.distributions.Normal(x, 1.0).sample((2,))
+            return ones + x, noise
+
+    x = torch.tensor([1.0, 2.0, 3.0])
+    assert not poptorchsim._impl.isDispatchTracing()
+    out, noise = poptorchsim.inferenceModel(Model(), quiet_options())(x)
+    torch.testing.assert_close(out, torch.ones(2, 3) + x)
+    assert noise.shape == (2, 3) and noise.device.type == "cpu"
+    assert torch.distributions.Distribution._validate_args     # restored

@@ -31,6 +31,7 @@ from . import losses as _losses
 from . import scopes as _scopes
 from . import optimizers as _opt
 from .decompositions import decompositions, tracing_backends
+from .mixed_precision import MixedPrecision
 
 aten = torch.ops.aten
 _tracing = threading.local()
@@ -317,12 +318,25 @@ def _select_loss(recorded):
     return candidates[0], kind
 
 
+@contextlib.contextmanager
+def _no_distribution_checks():
+    """``torch.distributions`` without argument validation while tracing, as
+    PopTorch does: validation reads tensor values, which a static program
+    cannot do."""
+    saved = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(saved)
+
+
 def _call_checked(module, state, args, kwargs, buffer_names):
     """``functional_call`` that also catches a forward() removing or
     reassigning a buffer or parameter (PopTorch's texts)."""
     from torch.nn.utils.stateless import _reparametrize_module
     from ..errors import Error
-    with _reparametrize_module(module, state):
+    with _reparametrize_module(module, state), MixedPrecision(), _no_distribution_checks():
         out = module(*args, **kwargs)
         for name, tensor in state.items():
             kind = "Buffer" if name in buffer_names else "Parameter"

@@ -9,10 +9,14 @@ training program:
   ``binEdgeLocation`` x 65504 (fp16's largest value; PopART's default
   location 1/16, an edge at 4094).  The histograms are summed into one
   ``[lower, upper]`` count, a new output of the step.  Tracked tensors
-  (``automaticLossScalingSettings.gradientTensorTrackingMethod``): 0, the
-  default, the fp16 outputs of the backward pass's matmuls and
-  convolutions; 1, every fp16 gradient an op of the backward pass computes
-  (views, gathers, slices and concatenations left out, as PopART does).
+  (``automaticLossScalingSettings.gradientTensorTrackingMethod``): 1, the
+  default, every fp16 gradient an op of the backward pass computes (views,
+  gathers, slices, concatenations and ops reading a weight left out, as
+  PopART does); 0, only the fp16 outputs of the backward pass's matmuls and
+  convolutions.  (The default is 1 because PopTorch's own test of automatic
+  loss scaling passes on hardware with a float32 input to an fp16 Linear:
+  its matmul then runs in float32, PyTorch's type promotion, and the only
+  fp16 gradients are the casts of the weight gradients to fp16.)
 * **The update** (``add_loss_scale_update``, the optimizer update): one op
   reads the counts summed over the weight update's micro-batches and
   replicas and the update factor, and halves the factor when the upper
@@ -78,7 +82,7 @@ class Settings:
     bin_edge_location: float = 0.0625
     threshold_upper_count_proportion: float = 1e-7
     update_period: int = 1
-    tracking_method: int = 0       # 0: conv and matmul gradients, 1: all non-view ones
+    tracking_method: int = 1       # 1: all non-view gradients, 0: conv and matmul ones
 
     @property
     def edge(self):
@@ -94,7 +98,7 @@ def settings(popart_options, enabled):
                  float(get(prefix + "binEdgeLocation", 0.0625)),
                  float(get(prefix + "thresholdUpperCountProportion", 1e-7)),
                  int(get(prefix + "updatePeriod", 1)),
-                 int(get(prefix + "gradientTensorTrackingMethod", 0)))
+                 int(get(prefix + "gradientTensorTrackingMethod", 1)))
     if not 0 <= s.bin_edge_location <= 1:
         raise Error("[AutomaticLossScale transform] Out of range value for 'binEdgeLocation'. "
                     f"The current value is {s.bin_edge_location}, but it should be in the "
@@ -124,7 +128,7 @@ def _op_name(op):
     return getattr(packet, "__name__", "")
 
 
-def tracked_gradients(graph, method=0):
+def tracked_gradients(graph, method=1):
     """The fp16 gradient tensors of ``graph`` (a training step) whose values
     decide the loss scale: [(producing op, tensor)].  ``method`` 0: outputs
     of the backward pass's matmuls and convolutions; 1: outputs of every

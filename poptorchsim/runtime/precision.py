@@ -4,8 +4,8 @@ import contextlib
 import logging
 
 import torch
-import torch.nn.functional as F
 
+from ..capture.mixed_precision import batch_norm_float_statistics
 from ..machine.precision import Rounding, mark_partials
 from ..passes.loss_scaling import settings as loss_scaling_settings
 
@@ -55,34 +55,18 @@ def keep_running_statistics_float(model):
 
 def _forward_with_float_statistics(m):
     """``m.forward`` (a ``_BatchNorm``) for an fp16 input with float32
-    running statistics: batch statistics normalize the fp16 input as
-    PyTorch does; the running statistics are updated in float32 from the
-    input widened to float32; evaluation normalizes with them in float32
-    and rounds the result to the input's type."""
+    running statistics (``capture.mixed_precision.batch_norm_float_statistics``)."""
     def forward(x):
         if x.dtype == m.running_mean.dtype:
             return type(m).forward(m, x)
         m._check_input_dim(x)
         momentum = 0.0 if m.momentum is None else m.momentum
-        if m.training:
-            if m.num_batches_tracked is not None:
-                m.num_batches_tracked.add_(1)
-                if m.momentum is None:
-                    momentum = 1.0 / float(m.num_batches_tracked)
-            y = F.batch_norm(x, None, None, m.weight, m.bias, True, 0.0, m.eps)
-            with torch.no_grad():
-                dims = [0] + list(range(2, x.dim()))
-                xf = x.detach().float()
-                n = xf.numel() // xf.shape[1]
-                mean = xf.mean(dims)
-                var = xf.var(dims, unbiased=n > 1)
-                m.running_mean.mul_(1 - momentum).add_(mean * momentum)
-                m.running_var.mul_(1 - momentum).add_(var * momentum)
-            return y
-        w = m.weight.float() if m.weight is not None else None
-        b = m.bias.float() if m.bias is not None else None
-        return F.batch_norm(x.float(), m.running_mean, m.running_var, w, b, False, 0.0,
-                            m.eps).to(x.dtype)
+        if m.training and m.num_batches_tracked is not None:
+            m.num_batches_tracked.add_(1)
+            if m.momentum is None:
+                momentum = 1.0 / float(m.num_batches_tracked)
+        return batch_norm_float_statistics(x, m.running_mean, m.running_var, m.weight, m.bias,
+                                           m.training, momentum, m.eps)
     return forward
 
 
