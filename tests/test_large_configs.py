@@ -134,3 +134,39 @@ def test_bert_builder_pipelines_over_four_ipus(fidelity):
     assert program.sharded_state           # LAMB's state sharded over the replicas
     assert len(tm.memoryReport().ipus) == 4
     assert tm.cycleEstimate()["streaming"] > 0      # optimizer state off chip
+
+
+# -- available memory proportion per IPU -------------------------------------------------------
+class TwoIPUs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(512, 512), nn.Linear(512, 512)
+
+    def forward(self, x):
+        with poptorchsim.Block(ipu_id=0):
+            x = self.a(x)
+        with poptorchsim.Block(ipu_id=1):
+            return self.b(x)
+
+
+def _costs_by_ipu(proportions):
+    torch.manual_seed(0)
+    o = quiet_options()
+    o.setExecutionStrategy(poptorchsim.ShardedExecution())
+    o.setAvailableMemoryProportion(proportions)
+    im = poptorchsim.inferenceModel(TwoIPUs(), o)
+    im.compile(torch.randn(256, 512))
+    graph = im._compiled.program.graphs["inference_forward"]
+    out = {0: [], 1: []}
+    for op, cost in zip(graph.ops, im._compiled.costs["inference_forward"]):
+        if op.cost_class == "matmul":
+            out[op.ipu].append(cost)
+    return out
+
+
+def test_each_ipu_takes_its_own_available_memory_proportion():
+    # BERT-Large's [0.15, 0.25, 0.25, 0.25]: IPU 1 must not take IPU 0's value
+    same = _costs_by_ipu({"IPU0": 0.6, "IPU1": 0.6})
+    low = _costs_by_ipu({"IPU0": 0.6, "IPU1": 0.02})
+    assert [c.total for c in same[0]] == [c.total for c in low[0]]
+    assert [c.total for c in same[1]] != [c.total for c in low[1]]

@@ -290,8 +290,10 @@ def _stages(show, desc):
 def _plan(program, target, amp, variables, allow_oom, bar=None, settings=None):
     """Costs per op, tensor locations, the memory report of every IPU
     (checked) and the cycle estimate.  Returns (costs, memory of IPU 0 with
-    ``.ipus`` = all, cycles)."""
-    costs = {name: [op_cost(op, target, amp) for op in g.ops]
+    ``.ipus`` = all, cycles).  ``amp``: the available memory proportion, or
+    {IPU index: proportion} (setAvailableMemoryProportion per IPU; 0.6 where unset)."""
+    costs = {name: [op_cost(op, target, amp.get(op.ipu, 0.6) if isinstance(amp, dict) else amp)
+                    for op in g.ops]
              for name, g in program.graphs.items()}
     if bar is not None:
         bar.set_description("Memory planning"); bar.update(1)

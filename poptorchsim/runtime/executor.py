@@ -52,6 +52,16 @@ def _input_independent_outputs(compiled):
     return {k for k, t in enumerate(graph.outputs[:n]) if t.id not in dependent}
 
 
+def _proportions(options):
+    """setAvailableMemoryProportion as the compiler takes it: one value, or
+    {IPU index: value} when the IPUs were given different ones."""
+    given = {int(k[3:]): v for k, v in options.available_memory_proportion.items()
+             if k.startswith("IPU") and k[3:].isdigit()}
+    if len(set(given.values())) > 1:
+        return given
+    return given.get(0, 0.6)
+
+
 class PoplarExecutor:
     """A model wrapped for the simulated IPU (PopTorch's ``PoplarExecutor``)."""
 
@@ -139,7 +149,7 @@ class PoplarExecutor:
             torch.Tensor, lambda t: t[: (t.shape[0] // factor)].contiguous() if t.dim() else t,
             (args, kwargs))
         o = self._options
-        amp = o.available_memory_proportion.get("IPU0", 0.6)
+        amp = _proportions(o)
         allow_oom = allow_out_of_memory(o)
         show = o.show_compilation_progress_bar
         out_bytes = self._output_bytes_fn(di, ga, rf)
@@ -443,7 +453,7 @@ class PoplarExecutor:
         if plan != c.plan:
             o = self._options
             compiler.rebuild_update(c, self._user_model, optimizer,
-                                    amp=o.available_memory_proportion.get("IPU0", 0.6),
+                                    amp=_proportions(o),
                                     allow_oom=allow_out_of_memory(o), **self._update_options())
             self._configure_update()
             self._observe.attach(c, self._engine)   # anchors read the new update
