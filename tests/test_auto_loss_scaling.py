@@ -288,3 +288,27 @@ def test_fp32_training_unchanged_and_unwatched():
     torch.testing.assert_close(model.fc1.weight, ref.fc1.weight, rtol=1e-5, atol=1e-6)
     report = tm.precisionReport()
     assert report["gradients"] is None and report["automatic_loss_scaling"] is None
+
+
+def test_momentum_is_unaffected_by_the_changing_scale():
+    """SGD keeps its velocity multiplied by the optimizer's loss scaling;
+    automatic loss scaling's factor changes only how the gradients are
+    scaled, so without underflow it trains as a fixed scale does."""
+    x, y = _data()
+    results = []
+    for opts in (_als_options(), quiet_options()):
+        model = _model()
+        optimizer = poptorch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,
+                                       loss_scaling=4.0)
+        tm = poptorch.trainingModel(model, opts, optimizer)
+        for _ in range(5):
+            tm(x, y)
+        tm.copyWeightsToHost()
+        optimizer.state_dict()
+        results.append((model.fc1.weight.clone(),
+                        optimizer.state[model.fc1.weight]["momentum_buffer"].float().clone(),
+                        tm.precisionReport()["loss_scale"]))
+    (w_auto, v_auto, scale_auto), (w_fixed, v_fixed, scale_fixed) = results
+    assert scale_auto == 128.0 and scale_fixed == 4.0
+    torch.testing.assert_close(w_auto, w_fixed)
+    torch.testing.assert_close(v_auto, v_fixed)

@@ -200,6 +200,10 @@ class DeviceWeights:
         return {"ipu_state": ipu_state, "ipu_param": ipu_param}
 
     def _device_loss_scale(self):
+        """The optimizer's loss scaling as the device holds it (automatic loss
+        scaling's factor apart: SGD's velocity is kept multiplied by this)."""
+        if self.state.loss_scale is not None:
+            return self.state.loss_scale.loss_scaling
         extra = self.state.step_extra
         return float(extra[0]) if extra else 1.0
 
