@@ -71,3 +71,51 @@ def test_graphcore_mixed_precision_tutorial_runs_unchanged(tmp_path):
     match = re.search(r"Eval accuracy on IPU: (\S+)%", result.stdout)
     assert match, result.stdout[-4000:]
     assert math.isfinite(float(match.group(1))), match.group(0)
+
+
+# ---------------------------------------------------------------------------
+# tutorials/mixed_precision
+# ---------------------------------------------------------------------------
+def test_mixed_precision_tutorial(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tutorials" / "mixed_precision" / "mixed_precision.py"),
+         "--quick", "--out", str(tmp_path)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, _failed(result, "mixed_precision.py --quick")
+    out = result.stdout
+    # 1. fp16 weights, activations and optimizer state take less memory
+    memory = re.search(r"memory result: fp32 (\d+) B, fp16 (\d+) B", out)
+    assert memory, out[-4000:]
+    assert int(memory.group(2)) < 0.95 * int(memory.group(1)), memory.group(0)
+    accuracy = re.findall(r"^  fp(?:32|16) .* KiB .* (\d+\.\d)%$", out, re.M)
+    assert len(accuracy) == 2 and all(float(a) > 70 for a in accuracy), out[-4000:]
+
+    # 2. without loss scaling the fp16 gradients underflow: nothing trains
+    def ce(name):
+        m = re.search(re.escape(name) + r"\s+cross-entropy (\S+) -> (\S+) .*"
+                      r"weights changed: (\S+)%", out)
+        assert m, (name, out[-4000:])
+        return float(m.group(1)), float(m.group(2)), float(m.group(3))
+    start, end, moved = ce("fp16, loss_scaling=1 ")
+    assert abs(end - start) < 0.1 and moved == 0.0, (start, end, moved)
+    start_s, end_s, moved_s = ce("fp16, loss_scaling=2**10")
+    assert start_s - end_s > 0.5 and moved_s > 50, (start_s, end_s, moved_s)
+    start_32, end_32, _ = ce("fp32 ")
+    assert abs(end_s - end_32) < 0.3, (end_s, end_32)
+
+    # 3. round to nearest loses updates below half an ulp; stochastic rounding keeps them
+    def share(name):
+        m = re.search(re.escape(name) + r"\s+after \d+ steps: moved \S+ along fp32's "
+                      r"updates \((\d+)% of fp32\), weights changed: (\d+)%", out)
+        assert m, (name, out[-4000:])
+        return int(m.group(1)), int(m.group(2))
+    nearest, nearest_moved = share("fp16, round to nearest")
+    stochastic, stochastic_moved = share("fp16, stochastic rounding")
+    assert nearest < 40 and stochastic > 70, (nearest, stochastic)
+    assert stochastic_moved > 2 * nearest_moved, (nearest_moved, stochastic_moved)
+
+    for name in ("1_fp32_vs_fp16.png", "2_loss_scaling.png", "3_stochastic_rounding.png"):
+        path = tmp_path / name
+        assert path.is_file() and path.stat().st_size > 0, f"missing plot {path}"
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert re.match(r"Done in \d+(?:\.\d+)? s\.", lines[-1]), lines[-1]
