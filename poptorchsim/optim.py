@@ -107,7 +107,9 @@ class Optimizer:
 
     def state_dict(self):
         executor = self._executor_ref() if self._executor_ref is not None else None
-        if executor is not None:
+        # a state given to load_state_dict and not sent yet is returned as given
+        # (PopTorch reads the device only when it holds newer state)
+        if executor is not None and not self.ipu_state_is_dirty:
             executor._read_optimizer_state(self)
         return self.get_state_dict()
 

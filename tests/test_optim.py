@@ -648,7 +648,7 @@ def test_optimizer_state_round_trips_through_state_dict(name):
     saved = opt.state_dict()
     assert set(saved) >= {"ipu_state", "ipu_param", "state", "param_groups"}
     assert all(isinstance(v, torch.Tensor) for v in saved["ipu_state"].values())
-    assert "lossScaling" in saved["ipu_param"]
+    assert "lossScaling_FLOAT" in saved["ipu_param"]
     buffer = io.BytesIO()
     torch.save(saved, buffer)
     buffer.seek(0)

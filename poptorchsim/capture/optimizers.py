@@ -473,6 +473,90 @@ def host_slot(plan, slot, value, values, group, ls):
     return slot.name, value.clone()
 
 
+def popart_params(plan, settings, group, values, ls, reduction):
+    """``[(PopART prefix, value)]``: the optimizer tensors PopART creates for a
+    weight of ``group`` (``state_dict()["ipu_param"]`` names each
+    ``<prefix>specific___<weight>``, as PopTorch inserts every group's values
+    per weight): the variable hyperparameters only (a constant one is
+    compiled in), the SGD ones as PopART's compound scalars
+    (``compoundscalarhelper``).  ``values``: the group's values on the device;
+    ``ls``: the loss scaling; ``reduction``: ``(accumulation factor,
+    replicas, mean reduction, post strategy)``."""
+    af, rf, mean, post = reduction
+    acc = af > 1
+    post_af = af if acc and mean and post else 1
+    post_rf = rf if rf > 1 and mean and post else 1
+
+    def var(*names):
+        return any(not settings.values.get((group, n), (None, True))[1] for n in names)
+
+    ls_var = not settings.values["optimizer", "loss_scaling"][1]
+    v = values
+    out = []
+
+    def add(prefix, value, *depends, ls_dep=False):
+        if var(*depends) or (ls_dep and ls_var):
+            out.append((prefix, float(value)))
+
+    if plan.kind in ("sgd", "sgd_combined"):
+        f = plan.group_flags(group)
+        lr, wd, dm, mm = v["lr"], v["weight_decay"], v["dampening"], v["momentum"]
+        if not (f["momentum"] or plan.accumulating):            # PopART's SGD0
+            add("scaledLearningRate0___", lr * (1 - dm) / (ls * post_af * post_rf),
+                "lr", "dampening", ls_dep=True)
+            add("weightDecayScaleFactor0___", 1 - lr * (1 - dm) * wd,
+                "weight_decay", "lr", "dampening")
+            return out
+        combined = plan.kind == "sgd_combined"
+        vs = v["velocity_scaling"] if combined else ls           # glued to the loss scaling
+        vs_names = ("velocity_scaling",) if combined else ()
+        vs_ls = not combined
+        add("scaledWeightDecay1___", (1 - dm) * wd * vs, "dampening", "weight_decay",
+            *vs_names, ls_dep=vs_ls)
+        if combined:                                             # SGD1
+            rf1 = rf if acc else 1
+            rfd = rf if acc and not mean else (1 / rf if not acc and mean else 1)
+            afd = af if mean else 1
+            add("scaledLearningRate1___", lr / (vs * rf1), "lr", *vs_names)
+            add("scaledMomentum1___", mm / rf1, "momentum")
+            add("dampeningScaleFactor1___", (1 - dm) * vs * rfd / (ls * afd), "dampening",
+                *vs_names, ls_dep=True)
+            if f["nesterov"]:
+                add("nesterovDampeningScaleFactor1___", post_af / ((1 - dm) * vs * rfd),
+                    "dampening", *vs_names, ls_dep=True)
+                add("nesterovGradScaleFactor1___", vs * rfd, *vs_names)
+        else:                                                    # SGD2
+            add("scaledLearningRate2___", lr / vs, "lr", ls_dep=True)
+            add("scaledMomentum2___", mm, "momentum")
+            add("dampeningScaleFactor2___", (1 - dm) * vs / (ls * post_af * post_rf),
+                "dampening", ls_dep=True)
+            if f["nesterov"]:
+                add("nesterovDampeningScaleFactor2___",
+                    post_af * post_rf / ((1 - dm) * vs), "dampening", ls_dep=True)
+                add("nesterovGradScaleFactor2___", vs, ls_dep=True)
+        if f["nesterov"]:
+            add("sgdMomentum___", mm, "momentum")
+            add("sgdWeightDecay___", wd, "weight_decay")
+        return out
+    add("learningRate___", v["lr"], "lr")
+    add("weightDecay___", v["weight_decay"], "weight_decay")
+    if plan.kind == "rmsprop":                                   # PopART's Adaptive
+        add("adaptiveAlpha___", v["alpha"], "alpha")
+        add("adaptiveMomentum___", v["momentum"], "momentum")
+        add("adaptiveEps___", v["eps"], "eps")
+        add("lossScaling___", ls, ls_dep=True)
+        add("adaptiveGradientScaling___", 1 / (ls * post_af * post_rf), ls_dep=True)
+        return out
+    add("adamBeta1___", v["beta1"], "beta1")
+    add("adamBeta2___", v["beta2"], "beta2")
+    add("adamEps___", v["eps"], "eps")
+    add("lossScaling___", ls, ls_dep=True)
+    if plan.kind == "lamb":
+        add("maxWeightNorm___", v["max_weight_norm"], "max_weight_norm")
+    add("adamGradientScaling___", 1 / (ls * post_af * post_rf), ls_dep=True)
+    return out
+
+
 def combined_scale(plan, values, group, mean_factor, ls):
     """SGD1's dampening scale factor: how much of each micro-batch's (loss
     scaled) gradient goes into the combined velocity."""

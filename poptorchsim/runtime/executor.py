@@ -392,6 +392,8 @@ class PoplarExecutor:
     def _read_optimizer_state(self, optimizer):
         """``optimizer.state_dict()`` of the model's optimizer: the device state
         is read into it."""
+        if self._options.connection_type == enums.ConnectionType.Never:
+            return              # never on a device: no state to read (PopTorch's None)
         if optimizer is self._optimizer and self._compiled is not None and self._training:
             self._keep_optimizer_state(optimizer)
 

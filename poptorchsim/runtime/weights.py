@@ -192,12 +192,34 @@ class DeviceWeights:
                 v = unshard(v, params[n].shape) if n in c.shards else v
                 ipu_state[s.ipu_name + n] = v.detach().clone()
             ipu_state["Step___" + n] = step.clone()
-        names = [f"{h}___group{g}" for g in range(len(c.flags)) for h in c.plan.hyper]
-        ipu_param = {name: v.float().clone() for name, v in zip(names, self.state.hyper)}
-        ipu_param["lossScaling"] = torch.tensor(self._device_loss_scale())
+        ipu_param = self._popart_params(c, optimizer)
         if self.state.loss_scale is not None:
             ipu_state["lossScaleUpdateFactor"] = self.state.loss_scale.factor.clone()
         return {"ipu_state": ipu_state, "ipu_param": ipu_param}
+
+    def _popart_params(self, compiled, optimizer):
+        """``ipu_param``: PopART's optimizer tensors (``learningRate___specific___fc.weight``,
+        SGD's ``scaledLearningRate0___specific___...``, ``lossScaling_FLOAT``) with
+        the values the device holds."""
+        c, o = compiled, self.options
+        n_h = len(c.plan.hyper)
+        values = [dict(zip(c.plan.hyper, (float(v) for v in self.state.hyper[g * n_h:
+                                                                            (g + 1) * n_h])))
+                  for g in range(len(c.flags))]
+        ls = self._device_loss_scale()
+        reduction = (o.Training.gradient_accumulation,
+                     self._replicas() * o.Distributed.numProcesses,
+                     o.Training.accumulation_and_replication_reduction_type
+                     == enums.ReductionType.Mean,
+                     not c.plan.running_mean)
+        settings = self._settings(optimizer)
+        ipu_param = {}
+        for n, grp in zip(c.capture.trainable_names, c.group_of):
+            for prefix, value in opt_rules.popart_params(c.plan, settings, grp, values[grp],
+                                                         ls, reduction):
+                ipu_param[f"{prefix}specific___{n}"] = torch.tensor(value)
+        ipu_param["lossScaling_FLOAT"] = torch.tensor(ls)
+        return ipu_param
 
     def _device_loss_scale(self):
         """The optimizer's loss scaling as the device holds it (automatic loss
