@@ -1,6 +1,8 @@
 """PopTorch's optimizer state_dict behaviour (its optimizers_test.py through
 the alias): ipu_param under PopART's names, the loaded state returned as
 given until it is sent, no state for an offline target."""
+import logging
+
 import pytest
 import torch
 
@@ -77,3 +79,22 @@ def test_offline_target_has_no_state():
     training.compile(torch.ones(2, 3))
     state = optimizer.state_dict()
     assert state["ipu_state"] is None and state["ipu_param"] is None
+
+
+@pytest.mark.parametrize("subclassed", [True, False])
+@pytest.mark.parametrize("base", [poptorch.optim.SGD, torch.optim.AdamW])
+def test_subclassed_optimizer_warning(subclassed, base):
+    cls = type("MyOpt", (base,), {}) if subclassed else base
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("poptorchsim")
+    log.addHandler(handler)
+    try:
+        _, _, training = _trained(cls, lr=0.01)
+        training.compile(torch.randn(2, 3))
+    finally:
+        log.removeHandler(handler)
+    warned = any("Poptorch does not run Python optimizer code directly" in r.getMessage()
+                 for r in records)
+    assert warned == subclassed

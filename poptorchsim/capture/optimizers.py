@@ -218,6 +218,16 @@ class AttributeTracker:
 
     def check(self, optimizer):
         import logging
+        from ..optim import Optimizer
+        bases = type(optimizer).__bases__
+        if (torch.optim.Optimizer not in bases and Optimizer not in bases
+                and not type(optimizer).__module__.startswith("torch.optim")):  # AdamW(Adam)
+            # PopTorch's _toPoptorchOptimizer: a subclass' Python code never runs
+            logging.getLogger("poptorchsim").warning(
+                "Optimizer `%s` subclassed from classes in poptorch.optim or torch.optim "
+                "are unlikely to behave as intended. Poptorch does not run Python "
+                "optimizer code directly; but instead uses IPU native optimisers "
+                "implemented in PopART.", type(optimizer).__name__)
         found = self._found(optimizer)
         if self.expected is None:
             self.expected = {k: set(v) for k, v in found.items()}
