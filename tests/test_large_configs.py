@@ -125,9 +125,10 @@ def test_bert_builder_pipelines_over_four_ipus(fidelity):
     pytest.importorskip("transformers")
     tiny = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                 intermediate_size=128)
-    tm, n = fidelity.bert_pretraining(tiny, [0, 1, 1, 1], micro=2, ga=10, amp=[0.15, 0.25, 0.25, 0.25],
-                                      loss_scaling=16.0, bias_correction=True, serialization=2,
-                                      replicas=2, seq=16, mask_tokens=4, vocab=512)
+    tm, n = fidelity.bert_pretraining(tiny, [0, 1, 1, 1], micro=2, ga=10,
+                                      amp=[0.15, 0.25, 0.25, 0.25], loss_scaling=16.0,
+                                      bias_correction=True, serialization=2, replicas=2,
+                                      seq=16, mask_tokens=4, vocab=512)
     assert n == 40
     program = tm._compiled.program
     assert program.n_ipus == 4
