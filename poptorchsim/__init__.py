@@ -28,7 +28,7 @@ from .ops import CPU, ipu_print_tensor, ipuHardwareVersion  # docs/observing.md
 from .graph_ops import (Attribute, CustomOp, MultiConv, NameScope, custom_op,
                         dynamic_slice, dynamic_update, nop, register_custom_op,
                         serializedMatMul)
-from .options import Options, TensorLocationSettings
+from .options import ConfigFileError, Options, TensorLocationSettings
 from .printing import module_repr, print  # noqa: A004 - PopTorch's poptorch.print
 from .overlap import set_overlap_for_input, set_overlap_for_output
 from .runtime.executor import PoplarExecutor

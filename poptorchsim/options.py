@@ -15,6 +15,11 @@ from .errors import Error
 FROZEN_MESSAGE = "Can't modify frozen Options"
 
 
+class ConfigFileError(Exception):
+    """A line of an ``Options.loadFromFile`` file that does not parse
+    (``poptorch.options.ConfigFileError``, as PopTorch names it)."""
+
+
 class _OptionsDict:
     """Values held in ``_values`` and read as attributes, frozen on demand."""
 
@@ -345,6 +350,10 @@ class _PopartOptions(_OptionsDict):
         self.set("patterns", dict(patterns))
         return self.set("patternsLevel", level)
 
+    def __repr__(self):
+        body = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"{type(self).__name__}({body})"
+
 
 class Options(_OptionsDict):
     """PopTorch's ``poptorch.Options``.
@@ -360,10 +369,12 @@ class Options(_OptionsDict):
             input_group_size=1,
             device_iterations=1,
             log_dir=".",
+            max_repeat_logs=4,
             auto_round_num_ipus=False,
             output_mode=enums.OutputMode.Default.value,
             output_return_period=1,
             connection_type=enums.ConnectionType.Always.value,
+            sync_pattern=enums.SyncPattern.Full.value,
             available_memory_proportion={},
             broadcast_buffers=True,
             show_compilation_progress_bar=True,
@@ -377,6 +388,7 @@ class Options(_OptionsDict):
         object.__setattr__(self, "_jit", _JitOptions())
         object.__setattr__(self, "_popart", _PopartOptions())
         object.__setattr__(self, "_execution_strategy", None)   # see execution_strategy
+        object.__setattr__(self, "_module_namescope_enabled", True)
         cache_dir = os.environ.get("POPTORCH_CACHE_DIR", "")
         if cache_dir:
             self.enableExecutableCaching(cache_dir)
@@ -497,6 +509,53 @@ class Options(_OptionsDict):
             "connection_type must be an instance of poptorch.ConnectionType")
         return self.set(connection_type=connection_type.value)
 
+    def syncPattern(self, sync_pattern):
+        """How IPUs synchronise for host IO (``poptorch.SyncPattern``).
+
+        ``Full`` (default): every host transfer syncs all IPUs, so the IO is
+        paid while every IPU waits.  ``SinglePipeline``: each IPU of a
+        replica talks to the host on its own, so the first stage's inputs
+        and the last stage's outputs stream while the other IPUs compute (a
+        replica on several IPUs).  ``ReplicaAndLadder``: replicas do their
+        host IO without syncing each other, so one replica's IO overlaps the
+        others' compute (with replication).  See ``runtime/compiler.py``
+        ``_host_seconds``; with one IPU and one replica they all cost the
+        same, as on the device."""
+        assert isinstance(sync_pattern, enums.SyncPattern), (
+            "sync_pattern must be an instance of poptorch.SyncPattern")
+        return self.set(sync_pattern=sync_pattern.value)
+
+    def maxRepeatLogs(self, max_lines):
+        """A log line repeated back to back is shown at most ``max_lines``
+        times, then dropped until a different line comes (default 4;
+        ``None``: show all).  Applies to poptorchsim's logger from the moment
+        a model wrapped with these options is created (``log_repeats.py``)."""
+        if max_lines is not None and (isinstance(max_lines, bool)
+                                      or not isinstance(max_lines, int) or max_lines < 0):
+            raise ValueError(f"maxRepeatLogs expects None or an integer >= 0, got "
+                             f"{max_lines!r}")
+        from .log_repeats import UNLIMITED
+        return self.set(max_repeat_logs=UNLIMITED if max_lines is None else max_lines)
+
+    def disableModuleNamescope(self):
+        """Op names without their module's name scope: with it (the default)
+        an op traced inside ``self.layer1[0]`` is named ``layer1/0/<op>`` in
+        the IR and ``getTensorNames()``, as PopTorch names it
+        ``layer1/0/Conv``; disabled, just ``<op>``."""
+        self._check_not_frozen()
+        object.__setattr__(self, "_module_namescope_enabled", False)
+        return self
+
+    def loadFromFile(self, filepath):
+        """Applies the options in ``filepath``: one call a line, written as
+        after ``options.`` (``deviceIterations(4)``), ``#`` comments and
+        blank lines skipped.  Options the file does not name keep their
+        values, so a second file overrides only what it sets.  A line that
+        does not parse raises ``poptorch.options.ConfigFileError``."""
+        from ._options_config import parse_and_set_options
+        parse_and_set_options(self, filepath)
+        return self
+
     def autoRoundNumIPUs(self, auto_round_num_ipus=True):
         """Round a model's IPU count up to a power of two (the spare IPUs are
         reserved and idle) instead of failing."""
@@ -599,7 +658,11 @@ class Options(_OptionsDict):
         return self
 
     def from_json(self, string):
-        """Applies ``{"deviceIterations": 2, "Training.gradientAccumulation": 4}``."""
+        """Applies ``{"deviceIterations": 2, "Training.gradientAccumulation": 4}``.
+
+        A string value ``"EnumName.Member"`` naming a poptorch enum
+        (``"ConnectionType.OnDemand"``) is that enum member, as in PopTorch;
+        a list is the call's arguments (``{"_Popart.set": ["key", 1]}``)."""
         for key, value in json.loads(string).items():
             target = self
             *path, setter = key.split(".")
@@ -608,6 +671,8 @@ class Options(_OptionsDict):
             fn = getattr(target, setter, None)
             if fn is None or not callable(fn):
                 raise Error(f"Unknown option {key} in POPTORCH_DEFAULT_OPTIONS")
+            if isinstance(value, str) and "." in value:
+                value = _string_to_enum(value)
             if isinstance(value, list):
                 fn(*value)
             else:
@@ -625,3 +690,13 @@ def _check_positive_int(name, value):
             f"Unexpected type {type(value)} for option {name}. Expected <class 'int'>")
     if value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value}")
+
+
+def _string_to_enum(value):
+    """``"ConnectionType.OnDemand"`` -> ``enums.ConnectionType.OnDemand``;
+    any other string is returned as it is."""
+    enum_type, _, member = value.partition(".")
+    enum_class = getattr(enums, enum_type, None)
+    if enum_class is None or "." in member or not hasattr(enum_class, "__members__"):
+        return value
+    return enum_class.__members__.get(member, value)

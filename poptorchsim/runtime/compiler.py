@@ -431,6 +431,10 @@ def _map_training(step_graph, update_graph, target):
 def _check_locations(settings, io_tiles=0):
     import logging
     for kind, setting in settings.items():
+        # as in PopART, the IO tile set only concerns variables in Streaming
+        # Memory: on chip (the default) the setting has nothing to move
+        if setting.get("onChip", 1):
+            continue
         for key in ("useIOTilesToLoad", "useIOTilesToStore"):
             if setting.get(key) and not io_tiles:
                 raise Error(f"TensorLocations {kind} location asks {key}(True), but no IO "

@@ -13,7 +13,7 @@ import logging
 import torch
 import torch.utils._pytree as pytree
 
-from .. import enums
+from .. import enums, log_repeats
 from ..capture import optimizers as opt_rules
 from ..errors import Error
 from ..machine.engine import Accumulation, Engine, OutputCollector
@@ -81,7 +81,11 @@ class PoplarExecutor:
         mode = enums.OutputMode(options.output_mode)
         if mode == enums.OutputMode.Default:
             mode = enums.OutputMode.Final if training else enums.OutputMode.All
+            # the model's own copy says which mode it runs with, as PopTorch's
+            # does (model.options.output_mode); the user's Options keep Default
+            options._values["output_mode"] = mode.value
         self._output_mode = mode
+        log_repeats.apply(options)       # Options.maxRepeatLogs
         self._observe = observe.Observation(options, mode)    # anchors, cycle count
         self._gradients = GradientMonitor()     # fp16 gradients, automatic loss scaling
         self._opt_settings = None       # the optimizer as the compiled update has it
