@@ -140,7 +140,7 @@ def test_tensor_names_follow_the_ir():
     model(torch.randn(4, 6), torch.randint(0, 4, (4,)))
     names = model.getTensorNames()
     ir = str(model.getIR())
-    assert {"fc1.weight", "input0", "addmm", "relu"} <= set(names)
+    assert {"fc1.weight", "input0", "fc1/addmm", "act/relu"} <= set(names)   # module name scopes
     assert all(f"%{n}" in ir for n in names if "___" not in n)
     assert "Gradient___fc2.bias" in names and "UpdatedVar___fc2.weight" in names
 
@@ -148,7 +148,7 @@ def test_tensor_names_follow_the_ir():
 def test_anchored_gradient_activation_and_update_match_pytorch():
     opts = quiet_options()
     assert opts.anchorTensor("grad_bias", "Gradient___fc2.bias") is None
-    opts.anchorTensor("hidden", "relu")
+    opts.anchorTensor("hidden", "act/relu")
     opts.anchorTensor("update_weight", "UpdatedVar___fc2.weight")
     pm, ref, [(x, t)] = _classifier_run(opts)
     out = ref.fc2(ref.act(ref.fc1(x)))

@@ -49,3 +49,49 @@ def node_scopes(node):
     """(name scope, attributes, multiconv group) of an fx node."""
     custom = node.meta.get("custom", {})
     return custom.get(NAME_SCOPE), custom.get(ATTRIBUTES), custom.get(MULTICONV)
+
+
+@contextlib.contextmanager
+def module_name_scopes(model, enabled=True):
+    """While tracing, every op a submodule of ``model`` runs is in that
+    module's name scope (``layer1/0/`` for ``model.layer1[0]``, nested as
+    the calls nest), as PopTorch's name-scope hook does unless
+    ``Options.disableModuleNamescope()``.  Hooks on the submodules, removed
+    on leaving; outside tracing they do nothing."""
+    if not enabled:
+        yield
+        return
+    saved = []
+
+    def enter(name):
+        def pre_hook(module, args):  # noqa: ARG001 - torch's hook signature
+            if not _blocks.is_recording():
+                return
+            custom = fx_traceback.current_meta.setdefault("custom", {})
+            old = custom.get(NAME_SCOPE, _MISSING)
+            saved.append(old)
+            outer = None if old is _MISSING else old
+            custom[NAME_SCOPE] = f"{outer}/{name}" if outer else name
+        return pre_hook
+
+    def leave(module, args, output):  # noqa: ARG001 - torch's hook signature
+        if not _blocks.is_recording() or not saved:
+            return
+        old = saved.pop()
+        custom = fx_traceback.current_meta.setdefault("custom", {})
+        if old is _MISSING:
+            custom.pop(NAME_SCOPE, None)
+        else:
+            custom[NAME_SCOPE] = old
+
+    handles = []
+    for qualified, module in model.named_modules():
+        if not qualified:
+            continue
+        handles.append(module.register_forward_pre_hook(enter(qualified.rsplit(".", 1)[-1])))
+        handles.append(module.register_forward_hook(leave))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

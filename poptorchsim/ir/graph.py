@@ -217,6 +217,7 @@ class Program:
     out_bytes: int = 0                # streamed device -> host per call
     grad_bytes: int = 0               # gradients reduced per weight update
     synthetic_data: bool = False      # no host streams (Options.enableSyntheticData)
+    sync_pattern: int = 0             # Options.syncPattern (enums.SyncPattern value)
     n_stages: int = 1                 # forward pipeline stages
     n_ipus: int = 1                   # IPUs per replica
     ipu_of_stage: list = field(default_factory=lambda: [0])

@@ -150,7 +150,8 @@ def _estimate(program, costs, target):
     host_s = target.call_overhead_s
     if not program.synthetic_data:
         device_s = sum(total.values()) / target.clock_hz
-        host_s += _host_seconds(program.host_streams, device_s, di, ga, target)
+        streams_s = _host_seconds(program.host_streams, device_s, di, ga, target)
+        host_s += _unsynced_host_seconds(program, sched, streams_s, device_s)
     total["host"] += host_s * target.clock_hz       # streams, after host ops' trips
     total["total"] = sum(total.values())
     total["seconds"] = total["total"] / target.clock_hz
@@ -201,6 +202,34 @@ def _host_seconds(streams, device_s, di, ga, target):
         per_window, compute = seconds / windows, device_s / windows
         overlapped += windows * max(per_window / steps, per_window - compute)
     return plain + overlapped
+
+
+def _unsynced_host_seconds(program, sched, streams_s, device_s):
+    """The host streams' seconds left to pay under ``Options.syncPattern``.
+
+    ``Full``: every host transfer syncs all IPUs, which wait for it: all of
+    it is paid.  ``SinglePipeline``: the IPUs that stream (the first stage's
+    for inputs, the last stage's for outputs) sync with the host alone, so
+    the transfer fills their idle time in the schedule while the other IPUs
+    compute; only what that idle time cannot hold is paid (a replica on one
+    IPU has none).  ``ReplicaAndLadder``: replicas stream without syncing
+    each other, so each replica's transfer overlaps the others' compute; the
+    host link still carries all of it (at least ``streams_s`` in all, at
+    least one replica's share on the critical path)."""
+    from ..enums import SyncPattern
+    pattern = program.sync_pattern
+    if pattern == SyncPattern.SinglePipeline and program.n_ipus > 1 and sched is not None:
+        busy = {}
+        for ipu, _, _, duration in sched.events:
+            busy[ipu] = busy.get(ipu, 0.0) + duration
+        io_ipus = {program.ipu_of_stage[0], program.ipu_of_stage[-1]}
+        share = max(busy.get(i, 0.0) for i in io_ipus) / (sched.cycles or 1.0)
+        idle_s = device_s * max(0.0, 1.0 - min(share, 1.0))
+        return max(0.0, streams_s - idle_s)
+    replicas = program.total_replicas
+    if pattern == SyncPattern.ReplicaAndLadder and replicas > 1:
+        return max(streams_s / replicas, streams_s - device_s)
+    return streams_s
 
 
 def _check_overlap(capture, strategy, io_tiles):
@@ -488,7 +517,7 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
                      amp=0.6, show_progress=True, allow_oom=False, out_bytes_fn=None,
                      synthetic=False, strategy=None, auto_round=False, locations=None,
                      processes=1, io_tiles=0, precision=None, running_mean=False,
-                     auto_loss_scaling=None, recomputation=None):
+                     auto_loss_scaling=None, recomputation=None, sync_pattern=0):
     """``recomputation``: PopART's ``autoRecomputation`` (None when unset:
     Pipeline for a pipeline over several IPUs, otherwise none; see
     ``passes/recompute.py``).
@@ -530,6 +559,7 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
                                    "optimizer_update": update_graph},
                       None, rf, di, ga, processes=processes, sharded_state=set(shards))
     program.in_bytes, program.synthetic_data = in_bytes, synthetic
+    program.sync_pattern = int(sync_pattern)
     program.out_bytes = out_bytes_fn(capture) if out_bytes_fn else 0
     program.host_streams = _host_streams(capture, program, overlap)
     _place(program, step_graph, capture, strategy, training=True, di=di, ga=ga, rf=rf,
@@ -784,7 +814,7 @@ def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False, running
 def compile_inference(model, args, kwargs, *, di, rf, target, amp=0.6,
                       show_progress=True, allow_oom=False, out_bytes_fn=None,
                       synthetic=False, strategy=None, auto_round=False, locations=None,
-                      processes=1, io_tiles=0, precision=None):
+                      processes=1, io_tiles=0, precision=None, sync_pattern=0):
     t0 = time.perf_counter()
     settings = locations or {}
     _check_locations(settings, io_tiles)
@@ -806,7 +836,8 @@ def compile_inference(model, args, kwargs, *, di, rf, target, amp=0.6,
                      DeviceToHost(out_bytes // max(di, 1), "per output mode")])
     program = Program("inference", {"inference_forward": graph},
                       Repeat(di, body, "device_iteration"), rf, di, 1, in_bytes, out_bytes,
-                      synthetic_data=synthetic, processes=processes)
+                      synthetic_data=synthetic, processes=processes,
+                      sync_pattern=int(sync_pattern))
     program.host_streams = _host_streams(capture, program, overlap)
     _place(program, graph, capture, strategy, training=False, di=di, ga=1, rf=rf,
            auto_round=auto_round)

@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 
 from .. import enums, log_repeats
 from ..capture import optimizers as opt_rules
+from ..capture.scopes import module_name_scopes
 from ..errors import Error
 from ..machine.engine import Accumulation, Engine, OutputCollector
 from ..machine.targets import default_target
@@ -170,14 +171,16 @@ class PoplarExecutor:
                 out_bytes_fn=out_bytes, synthetic=synthetic, strategy=strategy,
                 auto_round=o.auto_round_num_ipus, locations=o.TensorLocations.settings(),
                 processes=o.Distributed.numProcesses, io_tiles=o.TensorLocations.num_io_tiles,
-                precision=precision, recomputation=recomputation, **self._update_options())
+                precision=precision, recomputation=recomputation, sync_pattern=o.sync_pattern,
+                **self._update_options())
         else:
             compiled = self._through_cache(source, compiler.compile_inference,
                 self._user_model, micro[0], micro[1], di=di, rf=rf, target=self._target,
                 amp=amp, show_progress=show, allow_oom=allow_oom, out_bytes_fn=out_bytes,
                 synthetic=synthetic, strategy=strategy, auto_round=o.auto_round_num_ipus,
                 locations=o.TensorLocations.settings(), processes=o.Distributed.numProcesses,
-                io_tiles=o.TensorLocations.num_io_tiles, precision=precision)
+                io_tiles=o.TensorLocations.num_io_tiles, precision=precision,
+                sync_pattern=o.sync_pattern)
         if self._training and rf > 1 and o.broadcast_buffers:
             step = compiled.program.graphs["training_step"]
             names = compiled.capture.buffer_names
@@ -252,12 +255,15 @@ class PoplarExecutor:
     def _through_cache(self, source, compile_fn, *args, **kwargs):
         """``compile_fn(*args, **kwargs)``, or the executable cache's program for
         them (``cache.py``); ``source``: where ``loadExecutable`` takes it from."""
+        namescopes = self._options._module_namescope_enabled     # op names in the IR
         extra = {"output_mode": self._output_mode,
-                 "output_return_period": self._options.output_return_period}
+                 "output_return_period": self._options.output_return_period,
+                 **({} if namescopes else {"module_namescope": False})}
         self._executable_key = cache.key_for_compiler(self._training, args, kwargs, extra)
         obtain = source or functools.partial(cache.compile_cached,
                                              cache.cache_directory(self._options))
-        return obtain(self._executable_key, lambda: compile_fn(*args, **kwargs))
+        with module_name_scopes(self._user_model, namescopes):
+            return obtain(self._executable_key, lambda: compile_fn(*args, **kwargs))
 
     def compileAndExport(self, filename, *args, export_model=True, **kwargs):
         """``compile`` for these inputs, then ``save`` to ``filename``."""
