@@ -255,7 +255,7 @@ class PoplarExecutor:
     def _through_cache(self, source, compile_fn, *args, **kwargs):
         """``compile_fn(*args, **kwargs)``, or the executable cache's program for
         them (``cache.py``); ``source``: where ``loadExecutable`` takes it from."""
-        namescopes = self._options._module_namescope_enabled     # op names in the IR
+        namescopes = vars(self._options).get("_module_namescope_enabled", True)   # IR op names
         extra = {"output_mode": self._output_mode,
                  "output_return_period": self._options.output_return_period,
                  **({} if namescopes else {"module_namescope": False})}
