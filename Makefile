@@ -17,8 +17,9 @@ $(STAMP): $(BIN)/python pyproject.toml
 run: $(STAMP)
 	$(BIN)/python examples/mnist/train.py
 
+# two pytest workers (pytest-xdist, from the dev extra) on the 2-core CI machine
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $$($(BIN)/python -c "import xdist" 2>/dev/null && echo "-n 2")
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/mnist_training.py
