@@ -4,7 +4,8 @@
 Each configuration is compiled by poptorchsim for a Mk2 IPU and its estimated
 samples per second (from the machine's cycle model plus the host call
 overhead) divided by the figure Graphcore published.  Bar: every ratio
-between 0.5 and 2.
+between 0.8 and 1.25, or a known gap whose reason is printed (KNOWN_GAPS,
+docs/cost_model.md).
 
 * Efficient-data-loading tutorial CNN (PopTorch), training, batch 16,
   deviceIterations 50, poptorch.optim.SGD(lr=0.001, momentum=0.9), synthetic
@@ -149,15 +150,19 @@ class _MNISTLikeDataset(torch.utils.data.Dataset):
         return self.transform(Image.fromarray(self.images[i], mode="L")), 0
 
 
-def loading_seconds_per_sample(n=800):
+def loading_seconds_per_sample(n=200, repeats=5):
     """Measured on this machine: one process loading MNIST samples through
-    torchvision's transforms, per sample."""
+    torchvision's transforms, per sample; the fastest of ``repeats`` runs,
+    so that other jobs on the machine move it less."""
     import time
     dataset = _MNISTLikeDataset(n)
-    t0 = time.perf_counter()
-    for i in range(n):
-        dataset[i]
-    return (time.perf_counter() - t0) / n
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(n):
+            dataset[i]
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
 
 
 def pipelined_mnist():
@@ -478,7 +483,7 @@ def large_row(name, build, micro, too_large):
     est = executor.cycleEstimate()
     row["compile_seconds"] = time.perf_counter() - t0
     row["recompute_share"] = est.get("recompute", 0) / est["total"]
-    row["bubble_share"] = est.get("bubble", 0.0)      # idle share of IPU time
+    row["bubble_share"] = max(est.get("bubble", 0.0), 0.0)   # idle share of IPU time
     memory = executor.memoryReport()
     row["micro_batch"] = micro
     row["peak_tile_bytes"] = [int(m.total.max()) for m in getattr(memory, "ipus", [memory])]
@@ -514,6 +519,23 @@ def run(quick=False):
     return rows
 
 
+BAND = (0.8, 1.25)
+
+# Rows that cannot reach BAND without a fitted constant, and why
+# (docs/cost_model.md, "What the band cannot reach without fitting").
+KNOWN_GAPS = {
+    "efficient-data-loading CNN, training, synthetic (PopTorch)":
+        "its 1- and 2-replica synthetic figures cannot both be met without an unpublished "
+        "per-call cost",
+    "PopTorch pipelining tutorial CNN, 4 IPUs, training":
+        "bound by the host's DataLoader, measured on the machine running this benchmark",
+    "seed remote variables: no sharding":
+        "Streaming Memory bandwidth is unpublished (the table itself implies 15-21 GB/s)",
+    "seed remote variables: only state related to fc1.weight":
+        "Streaming Memory bandwidth is unpublished (the table itself implies 15-21 GB/s)",
+}
+
+
 def remote_order_matches(rows):
     """The five remote-variables cases rank by throughput as published."""
     seed = [r for r in rows if r["config"].startswith("seed remote variables")]
@@ -525,7 +547,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write the results here")
     p.add_argument("--strict", action="store_true",
-                   help="exit non-zero when a ratio is outside [0.5, 2]")
+                   help="exit non-zero when a ratio outside [0.8, 1.25] is not a known gap")
     p.add_argument("--quick", action="store_true",
                    help="the small configurations only (the large ones take minutes)")
     args = p.parse_args(argv)
@@ -552,13 +574,15 @@ def main(argv=None):
                   + (f"out of memory ({oom})" if oom else "FITS (it should not)"))
     memory_bad = [r["config"] for r in rows if "fits" in r
                   and (not r["fits"] or not r["larger_out_of_memory"])]
-    outside = [r["config"] for r in rows if not 0.5 <= r["ratio"] <= 2.0]
+    outside = [r["config"] for r in rows if not BAND[0] <= r["ratio"] <= BAND[1]]
+    unexplained = [c for c in outside if c not in KNOWN_GAPS]
     order_ok = remote_order_matches(rows)
     print("seed remote-variables table: order "
           + ("matches" if order_ok else "DIFFERS from") + " the published one")
-    ok = not outside and order_ok and not memory_bad
-    print("all ratios within [0.5, 2]" if not outside else
-          "outside [0.5, 2]: " + "; ".join(outside))
+    ok = not unexplained and order_ok and not memory_bad
+    print(f"within [{BAND[0]}, {BAND[1]}]: {len(rows) - len(outside)} of {len(rows)}")
+    for c in outside:
+        print(f"  outside: {c}: " + KNOWN_GAPS.get(c, "NOT EXPLAINED"))
     if memory_bad:
         print("memory differs from the published runs: " + "; ".join(memory_bad))
     if args.json:
