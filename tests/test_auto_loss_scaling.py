@@ -97,7 +97,7 @@ def test_scale_halves_when_gradients_reach_the_bin_edge():
 
 
 def test_scale_clipped_at_two_to_the_fifteen_with_fp16_weights():
-    model = _model()
+    model = _model(gain=2.0 ** -10)     # gradients stay below the bin edge at 2**15
     optimizer = poptorch.optim.SGD(model.parameters(), lr=0.0, loss_scaling=1024.0)
     opts = _als_options().deviceIterations(8)
     tm = poptorch.trainingModel(model, opts, optimizer)
@@ -312,3 +312,16 @@ def test_momentum_is_unaffected_by_the_changing_scale():
     assert scale_auto == 128.0 and scale_fixed == 4.0
     torch.testing.assert_close(w_auto, w_fixed)
     torch.testing.assert_close(v_auto, v_fixed)
+
+
+def test_each_step_of_a_call_uses_the_scale_the_previous_update_chose():
+    """With several weight updates per call (deviceIterations), each step
+    scales its loss by the scale the previous update chose."""
+    model = _model()
+    opts = _als_options().deviceIterations(4)
+    opts.anchorTensor("scale", "finalLossScale", poptorch.OutputMode.All)
+    tm = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=0.0))
+    tm(*_data(32))
+    used = tm.getAnchoredTensor("scale").float().flatten().tolist()
+    assert used == [1.0, 2.0, 4.0, 8.0]
+    assert tm.precisionReport()["automatic_loss_scaling"]["history"] == [2.0, 4.0, 8.0, 16.0]

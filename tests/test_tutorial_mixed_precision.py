@@ -102,6 +102,14 @@ def test_mixed_precision_tutorial(tmp_path):
     assert start_s - end_s > 0.5 and moved_s > 50, (start_s, end_s, moved_s)
     start_32, end_32, _ = ce("fp32 ")
     assert abs(end_s - end_32) < 0.3, (end_s, end_32)
+    # automatic loss scaling climbs from 1 until the gradients survive
+    auto = re.search(r"fp16, automatic from 1 .*weights changed: (\S+)%; .*lost to underflow "
+                     r"(\d+)% -> (\d+)%, loss scale (\S+)", out)
+    assert auto, out[-4000:]
+    assert float(auto.group(1)) > 50 and int(auto.group(2)) > 50, auto.group(0)
+    assert int(auto.group(3)) < 20 and float(auto.group(4)) >= 2 ** 10, auto.group(0)
+    plain = re.search(r"fp16, loss_scaling=1 .*lost to underflow (\d+)% -> (\d+)%", out)
+    assert plain and int(plain.group(2)) == 100, out[-4000:]
 
     # 3. round to nearest loses updates below half an ulp; stochastic rounding keeps them
     def share(name):

@@ -339,7 +339,6 @@ class Engine:
         """
         n_train = state.n_trainable
         n_buf = len(state.buffers[0])
-        extra = list(getattr(state, "step_extra", None) or [])    # the loss scaling
         accumulation = self.accumulation
         scale = getattr(state, "loss_scale", None)
         apart = self.reduce is not None and accumulation is not None and accumulation.into
@@ -348,6 +347,8 @@ class Engine:
             for i in range(di):
                 acc = stats = None
                 k = 0
+                # the loss scaling (automatic loss scaling changes it after an update)
+                extra = list(getattr(state, "step_extra", None) or [])
                 for g in range(ga):
                     for r in range(rf):
                         outs = self.step_fn(state.params + state.buffers[r]

@@ -246,7 +246,10 @@ class GradientWatch:
     result, casts included): *underflowed*, zero in fp16 but not when the
     op is computed in fp32 from the same operands; *overflowed*, infinite
     in fp16 but finite in fp32; and *non-finite*, infinite or NaN in fp16.
-    A value is counted where it is lost, not again downstream.  The fp32
+    A value is counted where it is lost, not again downstream.  Per op, the
+    share of its fp32 result's summed magnitude that underflowed says
+    whether what was lost mattered (tiny values that underflow at any scale
+    weigh nothing); ``worst_lost_share`` is the largest.  The fp32
     reference is a diagnostic the simulator adds (the IPU has none): the
     op's kernel run again with its operands widened to fp32."""
 
@@ -255,10 +258,12 @@ class GradientWatch:
 
     def reset(self):
         self.values = 0
+        self.nonzero = 0            # values the fp32 reference makes non-zero
         self.underflowed = 0
         self.overflowed = 0
         self.nonfinite = 0
-        self.per_op = {}            # op name -> [values, underflowed, overflowed]
+        # op name -> [values, underflowed, overflowed, |fp32| summed, |fp32| of the lost]
+        self.per_op = {}
 
     def wrap(self, op, kernel, reference):
         """``kernel`` counting into this watch; ``reference``: the op's
@@ -276,24 +281,44 @@ class GradientWatch:
 
     def _count(self, name, out, wide):
         finite = torch.isfinite(out)
-        under = int(((out == 0) & (wide != 0)).sum())
+        lost = (out == 0) & (wide != 0)
+        under = int(lost.sum())
         over = int((~finite & torch.isfinite(wide)).sum())
-        row = self.per_op.setdefault(name, [0, 0, 0])
+        size = wide.detach().float().abs().nan_to_num(posinf=0.0)
+        row = self.per_op.setdefault(name, [0, 0, 0, 0.0, 0.0])
         row[0] += out.numel()
         row[1] += under
         row[2] += over
+        row[3] += float(size.sum())
+        row[4] += float(size[lost].sum())
         self.values += out.numel()
+        self.nonzero += int((wide != 0).sum())
         self.underflowed += under
         self.overflowed += over
         self.nonfinite += int((~finite).sum())
 
+    @staticmethod
+    def _lost_share(row):
+        return row[4] / row[3] if row[3] else 0.0
+
+    @property
+    def worst_lost_share(self):
+        """The largest share of an op's (fp32) gradient magnitude that
+        underflowed: 1.0 when an op's whole result became zero."""
+        return max((self._lost_share(r) for r in self.per_op.values()), default=0.0)
+
     def summary(self, top=5):
-        """A dict: totals, and the ``top`` ops with the most lost values."""
-        worst = sorted(self.per_op.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:top]
-        return {"values": self.values, "underflowed": self.underflowed,
+        """A dict: totals, and the ``top`` ops that lost the largest share
+        of their gradient's magnitude (or overflowed)."""
+        worst = sorted(self.per_op.items(),
+                       key=lambda kv: (-kv[1][2], -self._lost_share(kv[1]), -kv[1][1]))[:top]
+        return {"values": self.values, "nonzero": self.nonzero,
+                "underflowed": self.underflowed,
+                "underflowed_magnitude": self.worst_lost_share,
                 "overflowed": self.overflowed, "nonfinite": self.nonfinite,
-                "ops": [{"op": n, "values": v, "underflowed": u, "overflowed": o}
-                        for n, (v, u, o) in worst if u or o]}
+                "ops": [{"op": n, "values": r[0], "underflowed": r[1], "overflowed": r[2],
+                         "underflowed_magnitude": self._lost_share(r)}
+                        for n, r in worst if r[1] or r[2]]}
 
 
 class LossScale:

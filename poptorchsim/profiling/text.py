@@ -116,7 +116,10 @@ def precision_lines(precision):
     grads = precision.get("gradients")
     if grads and grads["values"]:
         lines.append(f"fp16 values the backward pass computed in the last call: "
-                     f"{grads['values']:,}; underflowed to zero {grads['underflowed']:,}, "
+                     f"{grads['values']:,}, {grads.get('nonzero', 0):,} of them non-zero in "
+                     f"fp32; underflowed to zero {grads['underflowed']:,} (at most "
+                     f"{100 * grads.get('underflowed_magnitude', 0.0):.1f}% of an op's "
+                     f"magnitude), "
                      f"overflowed to infinity {grads['overflowed']:,}, non-finite "
                      f"{grads['nonfinite']:,}.")
         for row in grads["ops"]:

@@ -95,15 +95,21 @@ def auto_loss_scaling(options):
     return s if s.enabled else None
 
 
-_LOST = ("{pct:.1f}% of the fp16 values the backward pass computed in the last call "
-         "{what}: {n:,} of {total:,}. {fix}")
+_UNDER = ("fp16 gradients of the last call underflowed to zero: {n:,} of the {total:,} "
+          "values the backward pass computes non-zero in fp32; {op} lost {pct:.1f}% of its "
+          "result's magnitude. Raise the optimizer's loss_scaling, or turn on "
+          "Options.Training.setAutomaticLossScaling(True).")
+_OVER = ("fp16 gradients of the last call overflowed to infinity: {n:,} of the {total:,} "
+         "values the backward pass computes non-zero in fp32. Lower the optimizer's "
+         "loss_scaling, or turn on Options.Training.setAutomaticLossScaling(True).")
 
 
 class GradientMonitor:
     """What the fp16 gradients of a training program did in its last call
     (``precisionReport()``): values lost to underflow and overflow, and the
     loss scale automatic loss scaling chose; warns once per executor when
-    more than ``WARN_FRACTION`` of the values underflowed, or any overflowed."""
+    an op lost more than ``WARN_FRACTION`` of its result's (fp32) magnitude
+    to underflow, or any value overflowed."""
     WARN_FRACTION = 0.01
 
     def __init__(self):
@@ -118,22 +124,18 @@ class GradientMonitor:
 
     def finish(self, compiled):
         watch = getattr(compiled, "watch", None)
-        if watch is None or not watch.values:
+        if watch is None or not watch.nonzero:
             return
-        under = watch.underflowed / watch.values
+        under = watch.worst_lost_share
         if under > self.WARN_FRACTION and "under" not in self.warned:
             self.warned.add("under")
-            logger.warning(_LOST.format(
-                pct=100 * under, what="underflowed to zero", n=watch.underflowed,
-                total=watch.values, fix="Raise the optimizer's loss_scaling, or turn on "
-                "Options.Training.setAutomaticLossScaling(True)."))
+            worst = watch.summary(1)["ops"]
+            logger.warning(_UNDER.format(pct=100 * under, n=watch.underflowed,
+                                         total=watch.nonzero,
+                                         op=worst[0]["op"] if worst else "an op"))
         if watch.overflowed and "over" not in self.warned:
             self.warned.add("over")
-            logger.warning(_LOST.format(
-                pct=100 * watch.overflowed / watch.values, what="overflowed to infinity",
-                n=watch.overflowed, total=watch.values,
-                fix="Lower the optimizer's loss_scaling, or turn on "
-                "Options.Training.setAutomaticLossScaling(True)."))
+            logger.warning(_OVER.format(n=watch.overflowed, total=watch.nonzero))
 
     @staticmethod
     def report(compiled, state):

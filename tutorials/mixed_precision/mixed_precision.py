@@ -188,8 +188,10 @@ def section_loss_scaling(train, n_calls, out):
           f"0.05 / {LOSS_WEIGHT:g}: the same training in exact arithmetic, but the "
           f"gradients are {LOSS_WEIGHT:g} times smaller")
     runs = {}
-    for name, half, scaling in (("fp32", False, None), ("fp16, loss_scaling=1", True, None),
-                                ("fp16, loss_scaling=2**10", True, 2.0**10)):
+    for name, half, scaling, automatic in (
+            ("fp32", False, None, False), ("fp16, loss_scaling=1", True, None, False),
+            ("fp16, loss_scaling=2**10", True, 2.0**10, False),
+            ("fp16, automatic from 1", True, None, True)):
         torch.manual_seed(1)
         model = CNN(loss_weight=LOSS_WEIGHT)
         if half:
@@ -197,17 +199,28 @@ def section_loss_scaling(train, n_calls, out):
         w0 = [p.detach().clone() for p in model.parameters()]
         optimizer = poptorch.optim.SGD(model.parameters(), lr=0.05 / LOSS_WEIGHT,
                                        momentum=0.9, loss_scaling=scaling)
-        training_model = poptorch.trainingModel(model, options(), optimizer)
-        ce = []
+        opts = options()
+        opts.Training.setAutomaticLossScaling(automatic)   # PopART's algorithm
+        training_model = poptorch.trainingModel(model, opts, optimizer)
+        ce, lost = [], []
         for xb, yb in calls(*train, n_calls, half):
             _, loss, _ = training_model(xb, yb)
             ce += loss.float().tolist()
+            if half:    # the share of the gradients' magnitude fp16 lost to underflow
+                grads = training_model.precisionReport()["gradients"]
+                lost.append(100.0 * grads["underflowed_magnitude"])
+        report = training_model.precisionReport()
         training_model.destroy()
         moved = sum(int((p.detach() != w).sum()) for p, w in zip(model.parameters(), w0))
         total = sum(w.numel() for w in w0)
         runs[name] = ce
+        extra = ""
+        if half:
+            extra = (f"; worst op's gradient magnitude lost to underflow {lost[0]:.0f}% -> "
+                     f"{lost[-1]:.0f}%, loss scale {report['loss_scale']:g}")
         print(f"  {name:26s} cross-entropy {ce[0]:.3f} -> {sum(ce[-10:]) / 10:.3f} "
-              f"(mean of the last 10 steps); weights changed: {100 * moved / total:.1f}%")
+              f"(mean of the last 10 steps); weights changed: {100 * moved / total:.1f}%"
+              + extra)
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, ce in runs.items():
         ax.plot(range(1, len(ce) + 1), ce, label=name)
