@@ -388,7 +388,8 @@ class Engine:
         return outs[:len(outs) - self.n_writes]
 
     def _run_update(self, state, params, grads, opt_state, steps=None):
-        """One call of the update graph: (params, opt_state, steps) after it."""
+        """One call of the update graph: (params, opt_state, steps) after it,
+        and automatic loss scaling's new factor (None without it)."""
         n_train = len(params)
         counts = self.slot_counts or [(len(slots), len(slots)) for slots in opt_state]
         flat_state = [s for (n_in, _), slots in zip(counts, opt_state) for s in slots[:n_in]]
@@ -397,25 +398,26 @@ class Engine:
         scaler = scale.update_inputs() if scale is not None else []
         new = self.update_fn(params + grads + flat_state
                              + steps + state.hyper + [state.grad_scale] + scaler)
+        factor = None
         if scaler:
-            self._new_factor = new[-1]
-            new = new[:-1]
+            factor, new = new[-1], new[:-1]
         new_state, at = [], n_train
         for _, n_out in counts:
             new_state.append(new[at:at + n_out])
             at += n_out
-        return new[:n_train], new_state, new[at:]
+        return new[:n_train], new_state, new[at:], factor
 
     def _update(self, state, acc):
         n_train = state.n_trainable
-        state.params[:n_train], state.opt_state, state.steps = self._run_update(
+        state.params[:n_train], state.opt_state, state.steps, factor = self._run_update(
             state, state.params[:n_train], acc, state.opt_state)
-        self._scale_updated(state)
+        self._scale_updated(state, factor)
 
-    def _scale_updated(self, state):
+    @staticmethod
+    def _scale_updated(state, factor):
         """After a weight update: the loss-scale update's factor takes effect."""
-        if getattr(state, "loss_scale", None) is not None:
-            state.loss_scale.apply(state, self._new_factor)
+        if factor is not None:
+            state.loss_scale.apply(state, factor)
 
     def _sharded_update(self, state, acc):
         """Replicated tensor sharding of the optimizer state: the summed
@@ -440,9 +442,9 @@ class Engine:
                  for i, slots in enumerate(state.opt_state)],
                 [own(step) for step in state.steps]))
         runs = [self._run_update(state, *call) for call in calls]
-        new_params, new_state, new_steps = runs[0]
+        new_params, new_state, new_steps, factor = runs[0]
         for i in self.shards:
             new_params[i] = unshard([run[0][i] for run in runs], params[i].shape)
             new_state[i] = [[run[1][i][k] for run in runs] for k in range(len(new_state[i]))]
         state.params[:n_train], state.opt_state, state.steps = new_params, new_state, new_steps
-        self._scale_updated(state)
+        self._scale_updated(state, factor)
