@@ -72,6 +72,7 @@ class Capture:
     example_inputs: list = field(default_factory=list)
     blocks: list = field(default_factory=list)   # (user_id, ipu_id) in entry order
     loss_scaling: bool = False         # the step's last input scales the loss
+    tied: dict = field(default_factory=dict)     # name -> every module path of that tensor
 
 
 def forward_signature(module):
@@ -336,7 +337,8 @@ def _call_checked(module, state, args, kwargs, buffer_names):
     reassigning a buffer or parameter (PopTorch's texts)."""
     from torch.nn.utils.stateless import _reparametrize_module
     from ..errors import Error
-    with _reparametrize_module(module, state), MixedPrecision(), _no_distribution_checks():
+    with _reparametrize_module(module, state, tie_weights=True), MixedPrecision(), \
+            _no_distribution_checks():
         out = module(*args, **kwargs)
         for name, tensor in state.items():
             kind = "Buffer" if name in buffer_names else "Parameter"
@@ -360,6 +362,20 @@ def _split_state(module):
     params = dict(module.named_parameters())
     buffers = dict(module.named_buffers())
     return params, buffers
+
+
+def tied_names(module):
+    """``{name: [every name of the same tensor]}`` for parameters and buffers
+    reachable by several module paths (``head.weight = emb.weight``), keyed
+    by the name ``named_parameters()`` keeps.  Such a tensor is one input of
+    the traced program: ``_call_checked`` binds every path to it, so the
+    gradients of all its uses sum as in eager autograd."""
+    paths = {}
+    for named in (module.named_parameters(remove_duplicate=False),
+                  module.named_buffers(remove_duplicate=False)):
+        for name, tensor in named:
+            paths.setdefault(id(tensor), []).append(name)
+    return {names[0]: names for names in paths.values() if len(names) > 1}
 
 
 def capture_training(module, args, kwargs, in_optimizer, stack_traces=False,
@@ -414,7 +430,7 @@ def capture_training(module, args, kwargs, in_optimizer, stack_traces=False,
                            spec, described, None, None, 0,
                            loss_kind=out_info.get("loss_kind", ""),
                            example_inputs=tensors, blocks=blocks,
-                           loss_scaling=loss_scaling), out_info)
+                           loss_scaling=loss_scaling, tied=tied_names(module)), out_info)
 
 
 def capture_inference(module, args, kwargs, stack_traces=False):
@@ -448,7 +464,7 @@ def capture_inference(module, args, kwargs, stack_traces=False):
             m.training = mode
     return _finish(Capture("inference", gm, param_names, [], buffer_names, spec,
                            described, None, None, 0, example_inputs=tensors,
-                           blocks=blocks), out_info)
+                           blocks=blocks, tied=tied_names(module)), out_info)
 
 
 def _finish(capture, out_info):

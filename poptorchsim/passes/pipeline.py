@@ -43,6 +43,39 @@ def assign_stages(graph, stage_of_block, training):
     return placed
 
 
+def check_shared_weights(graph, tied):
+    """A parameter or buffer must be used on one IPU (PopTorch's user guide:
+    "You need to place layers that share weights on the same IPU").  Raises
+    an error naming the modules that use it on each IPU and the fix.
+
+    ``tied``: ``{name: [every module path of the tensor]}``, from capture."""
+    users = {}                       # tensor id -> {ipu: [module, ...]}
+    held = {t.id: t for t in graph.inputs if t.role in ("param", "buffer")}
+    for op in graph.ops:
+        if op.backward:
+            continue
+        for t in op.input_tensors():
+            if t.id in held:
+                module = op.name.rpartition("/")[0] or op.name
+                users.setdefault(t.id, {}).setdefault(op.ipu, [])
+                if module not in users[t.id][op.ipu]:
+                    users[t.id][op.ipu].append(module)
+    for tid, by_ipu in users.items():
+        if len(by_ipu) < 2:
+            continue
+        t = held[tid]
+        names = tied.get(t.name, [t.name])
+        also = f" (also named {', '.join(n for n in names if n != t.name)})" \
+            if len(names) > 1 else ""
+        where = " and ".join(f"IPU {ipu} (by {', '.join(mods)})"
+                             for ipu, mods in sorted(by_ipu.items()))
+        kind = "Parameter" if t.role == "param" else "Buffer"
+        raise Error(
+            f"{kind} {t.name}{also} is used on {where}. Layers that share weights must be "
+            "placed on the same IPU: put the modules that use it in blocks with the same "
+            "ipu_id (poptorch.BeginBlock / poptorch.Block), or untie the weights.")
+
+
 def place_update(graph, ipu_of_param, stage_of_param=None):
     """Optimizer-update ops run on the IPU that holds their parameter, in the
     stage (and so the phase) of the parameter's first use."""

@@ -344,8 +344,8 @@ def _plan(program, target, amp, variables, allow_oom, bar=None, settings=None):
 def _place(program, graph, capture, strategy, *, training, di, ga, rf, auto_round):
     """Stages and IPUs of every op, PopTorch's rules checked first."""
     import logging
-    from ..passes.pipeline import (assign_stages, check_rules, num_ipus_needed,
-                                   stage_map_text)
+    from ..passes.pipeline import (assign_stages, check_rules, check_shared_weights,
+                                   num_ipus_needed, stage_map_text)
     if capture.blocks:
         if strategy is not None and hasattr(strategy, "assign"):
             stage_of_block = strategy.assign(capture.blocks)
@@ -354,6 +354,7 @@ def _place(program, graph, capture, strategy, *, training, di, ga, rf, auto_roun
     else:
         stage_of_block = {}
     assign_stages(graph, stage_of_block, training)
+    check_shared_weights(graph, getattr(capture, "tied", {}))
     order = [stage_of_block[b][0] for b, _ in dict.fromkeys(capture.blocks)
              if b in stage_of_block]
     if getattr(strategy, "is_phased", False):
