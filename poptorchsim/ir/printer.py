@@ -35,7 +35,8 @@ def format_graph(graph, indent=""):
         if op.kwargs:
             args += ", " + ", ".join(f"{k}={_arg(v)}" for k, v in op.kwargs.items())
         attrs = "".join(f", {k}={v!r}" for k, v in op.attrs.items())
-        lines.append(f"{indent}  {outs} = {op.target}({args}{attrs})  # {op.cost_class}")
+        where = ", host scalar" if op.host_scalar else ""      # passes/host_scalars.py
+        lines.append(f"{indent}  {outs} = {op.target}({args}{attrs})  # {op.cost_class}{where}")
         for sub in (op.subgraphs or {}).values():
             lines.append(format_graph(sub, indent + "    "))
     lines.append(f"{indent}  return {_arg(list(graph.outputs))}")

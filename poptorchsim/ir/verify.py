@@ -19,6 +19,10 @@ def verify_graph(graph):
                             f"%{t.name} before it is defined")
         if op.cost_class is None:
             raise Error(f"IR verifier: {op.name} has no cost class")
+        if op.host_scalar and (op.subgraphs or any(t is None or t.numel > 1
+                                                    for t in op.outputs)):
+            raise Error(f"IR verifier: {op.name} is marked a host scalar but its results "
+                        "are not all scalars")
         for sub in (op.subgraphs or {}).values():
             verify_graph(sub)
             if len(sub.outputs) != len(op.outputs):

@@ -17,7 +17,9 @@ tile follows the bytes of the result on that tile (an array over tiles):
 * views are free; copies cost exchange;
 * a loop pays its body per iteration, a conditional its longer branch;
 * host ops (a print, a CPU op) pay their tensors' trips over PCIe while the
-  device waits (``OpCost.host``).
+  device waits (``OpCost.host``);
+* host scalars (``op.host_scalar``: the optimizer's float64 scalar
+  arithmetic, which the host does, ``passes/host_scalars.py``) cost nothing.
 
 Every superstep pays one sync.  A step's cycles are the sum, over its
 supersteps, of the slowest tile.
@@ -131,6 +133,8 @@ def op_cost(op, target, amp=0.6):
     """The ``OpCost`` of ``op`` on ``target``; tensors must be tile-mapped."""
     cls = op.cost_class
     outs = [t for t in op.outputs if t is not None]
+    if op.host_scalar:
+        return OpCost()
     if cls in ("loop", "cond"):
         return _control_flow_cost(op, target, amp)
     if cls == "host":

@@ -234,8 +234,11 @@ def _live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True):
 
 
 def _vertex_state(op, tiles):
-    """Vertex state ``op`` leaves on the tiles its results live on."""
+    """Vertex state ``op`` leaves on the tiles its results live on (none
+    for a host scalar: the host computes it, ``passes/host_scalars.py``)."""
     used = np.zeros(tiles, dtype=bool)
+    if op.host_scalar:
+        return used * VERTEX_STATE_BYTES
     for t in op.outputs:
         if t is not None and op.cost_class != "view":
             used |= t.mapping.bytes_per_tile(tiles) > 0

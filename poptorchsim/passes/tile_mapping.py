@@ -4,13 +4,16 @@ A mapping spreads a tensor linearly, in grains, over ``n_tiles`` consecutive
 tiles starting at ``start`` (wrapping round).  Element-wise and view results
 take their input's mapping, so their work happens where the data already is;
 other results are spread fresh, each starting where the previous one ended so
-small tensors do not all pile onto tile 0.
+small tensors do not all pile onto tile 0.  A host scalar's result that no
+device op reads (``passes/host_scalars.py``) is not on the tiles: it maps
+no bytes.
 """
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..ir.graph import subgraph_inputs
+from .host_scalars import device_reads
 
 
 @dataclass(frozen=True)
@@ -92,10 +95,15 @@ def map_graph(graph, target, cursor=None, variables=None, input_ipu=None, full_b
         if t.role == "const":      # constants stay on the tiles: always live
             spread(t, const_ipu.get(t.id, 0))
             variables[f"{graph.name}/{t.name}"] = t
+    on_tiles = device_reads(graph)
     for op in graph.ops:
         ins = [t for t in op.input_tensors() if t.nbytes]
         for out in op.outputs:
             if out is None:
+                continue
+            if op.host_scalar and out.id not in on_tiles:      # stays on the host
+                out.mapping = TileMapping(cursor.get(op.ipu, 0) % target.tiles, 1, 0,
+                                          target.grain_bytes, op.ipu)
                 continue
             like = next((t for t in ins if t.nbytes == out.nbytes
                          and t.mapping.ipu == op.ipu), None)

@@ -27,6 +27,7 @@ from ..machine.targets import with_io_tiles
 from ..passes import locations as tensor_locations
 from ..passes.loss_scaling import add_gradient_statistics, add_loss_scale_update, mark_watched
 from ..passes.lower import NoActiveBlockError, lower, mark_role
+from ..passes.host_scalars import mark_host_scalars
 from ..passes.memory import check_fits, plan_memory
 from ..passes.pipeline import input_ipus
 from ..passes import recompute
@@ -754,6 +755,8 @@ def _build_update(model, optimizer, capture, plan, shards=None, unit_scale=False
              + [("grad_scale", "hyper")])
     graph = mark_role(lower(update_fx, "optimizer_update", roles), "grad_scale",
                       "gradient unscale")
+    # bias corrections, lr / bias_correction, the step count: the host's work
+    graph = mark_host_scalars(graph, counters=[f"step/{n}" for n in names])
     graph.outputs_overwrite_inputs = True     # variables are updated in place
     return _Update(graph, group_of, [plan.group_flags(g) for g in range(n_groups)],
                    slots, layouts)
