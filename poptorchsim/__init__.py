@@ -20,8 +20,9 @@ from .arg_parsers import ICustomArgParser, registerCustomArgParser
 from .control_flow import cond, for_loop
 from .data import AsynchronousDataAccessor, DataLoader
 from .enums import *  # noqa: F401,F403 - PopTorch re-exports its enums
-from .errors import (BatchDimensionError, DataDependentError, Error, InputMismatchError,
-                     LossError, OutOfMemoryError, RecoverableError, UnrecoverableError,
+from .errors import (BatchDimensionError, DataDependentError, DtypeError, Error,
+                     InputError, InputMismatchError, LossError, ModelWrappedError,
+                     OutOfMemoryError, RecoverableError, UnrecoverableError,
                      UnsupportedOperationError, createPoptorchError)
 from .ops import identity_loss, ipuHardwareIsAvailable, isRunningOnIpu, set_available_memory
 from .ops import CPU, ipu_print_tensor, ipuHardwareVersion  # docs/observing.md
@@ -49,6 +50,20 @@ def _options_or_default(options):
     return options
 
 
+def _check_no_sparse_gradients(model):
+    """An embedding with ``sparse=True`` makes a sparse gradient, which the
+    IPU does not have (PopTorch leaves sparse gradients unsupported)."""
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) \
+                and getattr(module, "sparse", False):
+            raise UnsupportedOperationError(
+                f"{type(module).__name__} {name or '(the model)'} has sparse=True: its "
+                "gradient would be a sparse tensor, which the IPU does not support "
+                "(PopTorch trains embeddings with dense gradients). Build it with "
+                "sparse=False (or set its .sparse = False before wrapping): SGD then makes the same "
+                "update, and Adam-type optimizers, which refuse sparse gradients, work.")
+
+
 def trainingModel(model, options=None, optimizer=None):
     """Wraps ``model`` for training on the simulated IPU.
 
@@ -58,13 +73,14 @@ def trainingModel(model, options=None, optimizer=None):
     if isinstance(model, PoplarExecutor):
         model = model.model
     if _wrapper_of(model) is not None:
-        raise RuntimeError(WRAPPED_ERR)
+        raise ModelWrappedError(WRAPPED_ERR)
     options = _options_or_default(options)
     if optimizer is None:
         optimizer = optim.SGD(model.parameters(), lr=0.01)
     from .capture.optimizers import optimizer_kind
     optimizer_kind(optimizer)
     _check_optimizer_params(model, optimizer)
+    _check_no_sparse_gradients(model)
     options._freeze()
     executor = PoplarExecutor(model, _frozen_clone(options), training=True,
                               optimizer=optimizer)

@@ -59,6 +59,46 @@ class OutOfMemoryError(Error):
     """The compiled program does not fit in a tile's memory."""
 
 
+class FloatingPointException(Error, RuntimeError):
+    """A floating-point exception on the IPU (``Options.Precision.
+    enableFloatingPointExceptions(True)``): an operation divided by zero,
+    overflowed or was invalid (a NaN operand or result, inf - inf, 0 * inf,
+    the square root of a negative number, a comparison with NaN).
+
+    On hardware Poplar raises ``poplar::application_runtime_error``, a
+    ``poplar_error`` that is neither recoverable nor unrecoverable, so
+    PopTorch raises a plain ``poptorch.Error`` with ``type``
+    ``'poplar_application_runtime_error'``; PopTorch's docstring promises a
+    ``RuntimeError``, so the class is both.  ``error_code`` is Poplar's
+    ``ErrorCode`` name (``FLOATING_POINT_INVALID_OPERATION``,
+    ``FLOATING_POINT_DIVIDE_BY_ZERO``, ``FLOATING_POINT_OVERFLOW``); ``op``
+    the IR operation's name and ``location`` the model's line that made it."""
+
+    def __init__(self, message, *, error_code, op, location=""):
+        super().__init__(f"'poplar_application_runtime_error': {message}",
+                         location=location, type="poplar_application_runtime_error")
+        self.message = message
+        self.error_code = error_code
+        self.op = op
+
+
+class InputError(Error, TypeError):
+    """An input the compiled program cannot take: a tensor on the ``meta``
+    device (a shape without values), a Python list of numbers where forward()
+    needs a tensor.  Also a ``TypeError``, as Python raises for such input."""
+
+
+class DtypeError(Error, RuntimeError):
+    """A tensor of a type the operation reading it refuses: floating-point
+    class labels for ``CrossEntropyLoss``, float indices for an embedding.
+    Also a ``RuntimeError``, as PyTorch raises."""
+
+
+class ModelWrappedError(Error, RuntimeError):
+    """The model is wrapped by a ``trainingModel`` already.  PopTorch raises
+    ``RuntimeError`` here, so this class is both."""
+
+
 class LossError(Error):
     """No loss, or more than one independent loss, in a training model."""
 

@@ -63,6 +63,27 @@ def optimizer_type(optimizer):
     raise AssertionError(UNSUPPORTED.format(name=type(optimizer).__name__))
 
 
+# PopART's optimizer classes (``Optimizer::type_s``) behind PopTorch's types
+POPART_TYPE = {"SGD1": "SGD", "SGD2": "SGD", "ADAM": "Adam", "ADAMW": "Adam",
+               "ADAMW_NO_BIAS": "Adam", "LAMB": "Adam", "LAMB_NO_BIAS": "Adam",
+               "RMSPROP": "Adaptive", "RMSPROP_CENTERED": "Adaptive"}
+
+
+def check_same_type(old, new):
+    """PopART's error for a compiled model given an optimizer of another type
+    (``Optimizer::validReplacement``; ``old`` and ``new`` are PopTorch's type
+    names): the type and mode of the optimizer are compiled into the program."""
+    if old == new:
+        return
+    a, b = POPART_TYPE[old], POPART_TYPE[new]
+    if a == b:
+        a, b = old, new
+    raise Error(f"Can not replace optimizer of type {a} with new optimizer of type {b} "
+                f"(poptorchsim: the model was compiled for a {old} update, and setOptimizer "
+                f"can change an optimizer's hyperparameters only. To train with {new}, "
+                "call destroy() on the model and wrap it again with the new optimizer.)")
+
+
 def optimizer_kind(optimizer):
     """The optimizer's family: sgd, adam, adamw, rmsprop or lamb."""
     return FAMILY_OF_TYPE[optimizer_type(optimizer)]

@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 from torch.func import functionalize, grad_and_value
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..errors import DataDependentError, Error, LossError
+from ..errors import DataDependentError, DtypeError, Error, InputError, LossError
 from . import blocks as _blocks
 from . import losses as _losses
 from . import scopes as _scopes
@@ -151,6 +151,59 @@ DATA_DEPENDENT_HELP = (
     "operations such as torch.where, or move it out of forward().")
 
 
+def _named_inputs(module, args, kwargs):
+    """``(name, value)`` of each input, named after ``forward``'s parameters."""
+    sig = forward_signature(module)
+    names = [p.name for p in sig.parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for i, value in enumerate(args):
+        yield (names[i] if i < len(names) else f"args[{i}]"), value
+    yield from kwargs.items()
+
+
+def _check_inputs(module, args, kwargs):
+    """Inputs no program can take, refused before tracing."""
+    for name, value in _named_inputs(module, args, kwargs):
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == "meta":
+                raise InputError(
+                    f"Input {name} is a tensor on the meta device: it has a shape "
+                    f"({list(leaf.shape)}) but no values, so the model cannot run on it. "
+                    "Pass a tensor with data (a CPU tensor, as PopTorch takes inputs).")
+
+
+_INDEX_TYPE = ("for index, but got torch.float", "expected scalar type Long",
+               "to have one of the following scalar types: Long, Int",
+               "Expected floating point type for target with class probabilities")
+
+
+def _explain_failure(exc, what, module, args, kwargs):
+    """A typed error naming the cause and the fix of a common mistake behind
+    ``exc``, an exception forward() raised while traced; None otherwise."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    inputs = list(_named_inputs(module, args, kwargs))
+    if any(text in str(exc) for text in _INDEX_TYPE):
+        floats = [n for n, v in inputs if isinstance(v, torch.Tensor)
+                  and v.dtype.is_floating_point]
+        return DtypeError(
+            f"While tracing the {what}, the operation at {_user_frame(exc)} needs "
+            f"integer class labels or indices but got a floating-point tensor ({message}). "
+            "Class labels of CrossEntropyLoss and NLLLoss, and indices of embeddings and "
+            "gather, must be int64: convert them with .long()"
+            + (f" (floating-point inputs: {', '.join(floats)})" if floats else "")
+            + ". Floating-point targets of CrossEntropyLoss are class probabilities, "
+            "with the shape of the logits.")
+    lists = [n for n, v in inputs if isinstance(v, (list, tuple)) and v
+             and all(isinstance(x, (int, float, bool)) for x in pytree.tree_leaves(v))]
+    if lists:
+        return InputError(
+            f"While tracing the {what}, forward() raised {type(exc).__name__} at "
+            f"{_user_frame(exc)} ({message}); its input {', '.join(lists)} is a Python "
+            "list of numbers, which the program compiles in as constants, not a tensor. "
+            "Pass torch.tensor(...) for data that forward() computes with.")
+    return None
+
+
 def _trace(fn, example, what, blocks_seen=None, stack_traces=False):
     """``fn`` traced over fake copies of ``example``: functionalized, ATen ops
     outside the op set poptorchsim lowers decomposed by PyTorch's own tables.
@@ -186,6 +239,21 @@ def _trace(fn, example, what, blocks_seen=None, stack_traces=False):
                 f"Python (.item() or similar){': ' + ' '.join(w.strip() for w in where) if where else ''}. "
                 f"{DATA_DEPENDENT_HELP}")
     return gm
+
+
+def _trace_model(fn, example, what, blocks, stack_traces, inputs):
+    """``_trace`` of a model's step: inputs checked first, and a common
+    mistake behind an exception of forward() raised as a typed error."""
+    _check_inputs(*inputs)
+    try:
+        return _trace(fn, example, what, blocks, stack_traces)
+    except Error:
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised unless explained
+        explained = _explain_failure(exc, what, *inputs)
+        if explained is None:
+            raise
+        raise explained from exc
 
 
 def register_dict_types(value):
@@ -303,8 +371,10 @@ def _grad_and_value(fn):
 
 
 def _select_loss(recorded):
-    identity = [t for kind, t in recorded if kind == "identity_loss"]
-    candidates = identity or [t for _, t in recorded]
+    """``(loss, kind, where)``: the identity loss, or else the one loss
+    function's result (PopTorch's rule), and the line that made it."""
+    identity = [r for r in recorded if r[0] == "identity_loss"]
+    candidates = identity or recorded
     if not candidates:
         raise LossError(
             "Couldn't find a loss in graph! A trainingModel's forward() must "
@@ -315,8 +385,25 @@ def _select_loss(recorded):
         raise LossError(
             "Multiple independent losses found in graph. Graph must have one final "
             "loss. Wrap final graph loss in poptorch.identity_loss.")
-    kind = "identity_loss" if identity else recorded[0][0]
-    return candidates[0], kind
+    kind, loss, where = candidates[0]
+    return loss, kind, where
+
+
+def _warn_unused_terms(recorder, loss, kind, where, out):
+    """A training model that returns a value computed from its loss (``ce +
+    dice``, ``0.5 * loss``) trains on the loss function's result alone, as
+    PopTorch does: said once, at compile time, naming both lines."""
+    terms = recorder.unused_terms(loss, pytree.tree_leaves(out))
+    if not terms:
+        return
+    import logging
+    logging.getLogger("poptorchsim").warning(
+        "The training model returns a value computed from its loss (%s) that the "
+        "backward pass does not use: only the result of %s (%s) is differentiated, "
+        "as in PopTorch, so terms added to it or factors applied to it after the loss "
+        "function are not trained. To train on the returned value, return "
+        "poptorch.identity_loss(value, reduction='none') instead.",
+        terms[0], kind, where)
 
 
 @contextlib.contextmanager
@@ -403,7 +490,8 @@ def capture_training(module, args, kwargs, in_optimizer, stack_traces=False,
             with _losses.LossRecorder() as recorder:
                 out = _call_checked(module, {**p_train, **p_frozen, **bufs}, a, kw,
                                     bufs)
-            loss, kind = _select_loss(recorder.losses)
+            loss, kind, where = _select_loss(recorder.losses)
+            _warn_unused_terms(recorder, loss, kind, where, out)
             _blocks.begin_backward()       # what autograd traces next is backward
             out_info["loss_kind"] = kind
             scalar = loss if loss.dim() == 0 else loss.sum()
@@ -425,7 +513,8 @@ def capture_training(module, args, kwargs, in_optimizer, stack_traces=False,
         [t.detach() for t in tensors],
     ) + ((torch.ones((), dtype=torch.float32),) if loss_scaling else ())
     blocks = []
-    gm = _trace(step, example, "training step", blocks, stack_traces)
+    gm = _trace_model(step, example, "training step", blocks, stack_traces,
+                      (module, args, kwargs))
     return _finish(Capture("training", gm, trainable + frozen, trainable, buffer_names,
                            spec, described, None, None, 0,
                            loss_kind=out_info.get("loss_kind", ""),
@@ -458,7 +547,8 @@ def capture_inference(module, args, kwargs, stack_traces=False):
                        {n: buffers[n].detach() for n in buffer_names},
                        [t.detach() for t in tensors])
             blocks = []
-            gm = _trace(forward, example, "inference forward", blocks, stack_traces)
+            gm = _trace_model(forward, example, "inference forward", blocks, stack_traces,
+                              (module, args, kwargs))
     finally:
         for m, mode in modes.items():
             m.training = mode
