@@ -307,7 +307,12 @@ class _PrecisionOptions(_OptionsDict):
         return self.set(running_statistics_always_float=value)
 
     def enableFloatingPointExceptions(self, enabled):
-        return self.set(enable_floating_point_exceptions=bool(enabled))
+        """Raise ``poptorch.Error`` at the first op that divides by zero,
+        overflows or is invalid (NaN), instead of computing inf or NaN
+        (docs/precision.md)."""
+        assert isinstance(enabled, bool), \
+            "enableFloatingPointExceptions needs to be set to a bool"
+        return self.set(enable_floating_point_exceptions=enabled)
 
     def enableStochasticRounding(self, enabled):
         return self.set(enable_stochastic_rounding=bool(enabled))

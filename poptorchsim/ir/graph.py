@@ -74,6 +74,7 @@ class Op:
     traced_layout: Optional[tuple] = None   # (shape, stride, offset) of arg 0 in the trace
     subgraphs: Optional[dict] = None  # name -> Graph: a loop's "body", a conditional's
     attrs: dict = field(default_factory=dict)   # "then" and "else"; e.g. {"count": 10}
+    source: str = ""                  # the model's line that made it (traced with stack traces)
     # scalar arithmetic the host does (torch.optim's Python floats: bias
     # corrections, lr / bias_correction, the step count): the engine runs it,
     # the machine charges it no cycles and no tile memory

@@ -13,6 +13,7 @@ from collections import Counter
 import torch
 
 from ..ir.graph import Tensor
+from .fp_checks import checked, make_check
 from .kernels import as_strided, kernel_for
 from .precision import host_kernel
 
@@ -86,7 +87,7 @@ def run_cond(condition, then, orelse, then_reads, else_reads, taken):
     return orelse(else_reads)
 
 
-def compile_graph(graph, branches=None, rounding=None, watch=None):
+def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=None):
     """A Python function ``f(list_of_inputs) -> list_of_outputs`` for ``graph``.
 
     Its ``branches`` attribute maps each conditional op's name (in sub-graphs
@@ -94,13 +95,20 @@ def compile_graph(graph, branches=None, rounding=None, watch=None):
     ``rounding`` (default: the graph's ``rounding`` attribute): a
     ``precision.Rounding`` when fp16 results round stochastically.
     ``watch`` (default: the graph's ``watch``): a ``precision.GradientWatch``
-    counting the values the ops marked ``watched`` lose to fp16."""
+    counting the values the ops marked ``watched`` lose to fp16.
+    ``fp_checks`` (default: the graph's ``floating_point_checks``): each
+    computing op's result is checked right after it runs and a
+    floating-point exception raised as the IPU would (``fp_checks.py``); the
+    ops then run out of place, so that an operand is still there to look at
+    and nothing the call was given is overwritten before the exception."""
     branches = {} if branches is None else branches
+    if fp_checks is None:
+        fp_checks = bool(getattr(graph, "floating_point_checks", False))
     rounding = rounding if rounding is not None else getattr(graph, "rounding", None)
     watch = watch if watch is not None else getattr(graph, "watch", None)
     glb = {}
     names = {}
-    in_place = _in_place(graph)
+    in_place = {} if fp_checks else _in_place(graph)
 
     def name_of(t):
         if t.id not in names:
@@ -148,7 +156,8 @@ def compile_graph(graph, branches=None, rounding=None, watch=None):
         args += [f"{key}={render(v)}" for key, v in op.kwargs.items()]
         if op.subgraphs:           # a loop or a conditional: its sub-graphs compiled
             for name, sub in op.subgraphs.items():
-                glb[f"{fn}_{name}"] = compile_graph(sub, branches, rounding, watch)
+                glb[f"{fn}_{name}"] = compile_graph(sub, branches, rounding, watch,
+                                                     fp_checks)
             if op.cost_class == "loop":
                 glb[fn] = run_loop
                 args = [repr(op.attrs["count"]), f"{fn}_body"] + args
@@ -165,6 +174,11 @@ def compile_graph(graph, branches=None, rounding=None, watch=None):
                 glb[fn] = watch.wrap(op, glb[fn], kernel_for(op.target, list(op.args),
                                                              op.kwargs))
         call = f"{fn}({', '.join(args)})"
+        check = ""
+        if fp_checks and checked(op):
+            glb[f"{fn}_fp"] = make_check(op, graph.name)
+            operands = "".join(render(t) + ", " for t in op.input_tensors())
+            check = f"\n    {fn}_fp({{}}, ({operands}))"
         if op.cost_class == "view" and not op.inplace and not op.multi_output:
             # the same view of the same tensor twice (an RNN's weight
             # transposed at every time step) is made once
@@ -175,10 +189,11 @@ def compile_graph(graph, branches=None, rounding=None, watch=None):
         if op.multi_output:
             outs = "".join((name_of(t) if t is not None else "_") + ", " for t in op.outputs)
             made = [name_of(t) for t in op.outputs if t is not None]
-            body.append((f"    {outs}= {call}", reads, made))
+            result = "(" + "".join(m + ", " for m in made) + ")"
+            body.append((f"    {outs}= {call}" + check.format(result), reads, made))
         else:
             made = [name_of(op.outputs[0])]
-            body.append((f"    {made[0]} = {call}", reads, made))
+            body.append((f"    {made[0]} = {call}" + check.format(made[0]), reads, made))
     # each intermediate is released after its last use, as eager autograd
     # frees activations during backward (holding them all until the return
     # made large models page-fault on fresh memory at every step)

@@ -37,12 +37,17 @@ def _meta_tensor(val):
     return isinstance(val, torch.Tensor)
 
 
-def _where(node):
-    """The line of the user's model behind ``node`` (fx's stack trace)."""
+def _where(node, code=False):
+    """The line of the user's model behind ``node`` (fx's stack trace);
+    ``code``: followed by the line's text (``File "m.py", line 8, in
+    forward: z = h / y``)."""
     stack = (node.meta.get("stack_trace") or "").strip().splitlines()
-    for line in reversed(stack):
-        line = line.strip()
+    for k in range(len(stack) - 1, -1, -1):
+        line = stack[k].strip()
         if line.startswith("File") and "/torch/" not in line and "/poptorchsim/" not in line:
+            text = stack[k + 1].strip() if k + 1 < len(stack) else ""
+            if code and text and not text.startswith("File"):
+                return f"{line}: {text}"
             return line
     if node.meta.get("custom", {}).get("backward"):
         return "in the backward pass (autograd of an operation above)"
@@ -182,6 +187,8 @@ def lower(gm, name, roles, n_model_outputs=0):
                     block=node.meta.get("custom", {}).get("block"),
                     backward=bool(node.meta.get("custom", {}).get("backward", False)))
             _scoped(op, node)
+            if node.meta.get("stack_trace"):
+                op.source = _where(node, code=True)
             if target in _STRIDED:       # the engine re-lays its input out if needed
                 first = node.args[0].meta["val"]
                 op.traced_layout = (tuple(first.shape), tuple(first.stride()),

@@ -22,7 +22,8 @@ from ..machine import constants as K
 from ..machine.cost import _exchange_cycles, op_cost, with_branches_taken
 from ..machine.engine import compile_graph
 from ..machine.precision import GradientWatch
-from .precision import apply as apply_precision, float_statistics_forward
+from .precision import (apply as apply_precision, float_statistics_forward,
+                        floating_point_checks)
 from ..machine.targets import with_io_tiles
 from ..passes import locations as tensor_locations
 from ..passes.loss_scaling import add_gradient_statistics, add_loss_scale_update, mark_watched
@@ -539,6 +540,7 @@ def compile_training(model, optimizer, args, kwargs, *, di, ga, rf, target,
     bar.set_description("Tracing"); bar.update(1)
     with float_statistics_forward(model, precision):
         capture = capture_training(model, args, kwargs, in_optimizer,
+                                   stack_traces=floating_point_checks(precision),
                                    loss_scaling=plan.loss_scaling)
     overlap = _check_overlap(capture, strategy, io_tiles)
     bar.set_description("Lowering"); bar.update(1)
@@ -796,6 +798,7 @@ def rebuild_update(compiled, model, optimizer, amp=0.6, allow_oom=False, running
         if auto_loss_scaling:
             _add_scale_update(g, model, auto_loss_scaling)
         g.rounding = getattr(compiled, "rounding", None)
+        g.floating_point_checks = floating_point_checks(getattr(compiled, "precision", None))
     program.graphs["optimizer_update"] = graph
     program.sharded_state = set(shards)
     if (getattr(compiled, "precision", None) or {}).get("partials") == "half":
@@ -826,7 +829,8 @@ def compile_inference(model, args, kwargs, *, di, rf, target, amp=0.6,
     bar = _stages(show_progress, "Graph compilation")
     bar.set_description("Tracing"); bar.update(1)
     with float_statistics_forward(model, precision):
-        capture = capture_inference(model, args, kwargs)
+        capture = capture_inference(model, args, kwargs,
+                                    stack_traces=floating_point_checks(precision))
     overlap = _check_overlap(capture, strategy, io_tiles)
     bar.set_description("Lowering"); bar.update(1)
 

@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 from .. import enums, log_repeats
 from ..capture import optimizers as opt_rules
 from ..capture.scopes import module_name_scopes
-from ..errors import Error
+from ..errors import Error, FloatingPointException
 from ..machine.engine import Accumulation, Engine, OutputCollector
 from ..machine.targets import default_target
 from . import cache, compiler, export, observe
@@ -72,6 +72,7 @@ class PoplarExecutor:
         self._training = training
         self._optimizer = optimizer
         self._compiled = None
+        self._fp_checks = False         # enableFloatingPointExceptions, as compiled
         self._attached = False
         self._weights = DeviceWeights(model, options, training)
         self._destroyed = False
@@ -198,6 +199,8 @@ class PoplarExecutor:
                     "disable buffer broadcasting using "
                     "poptorch.Options.broadcastBuffers(False).")
         self._constant_outputs = _input_independent_outputs(compiled)
+        self._fp_checks = bool(getattr(next(iter(compiled.program.graphs.values())),
+                                       "floating_point_checks", False))
         self._compiled = compiled
         directory = profiling_directory(o)
         if directory is not None:
@@ -649,13 +652,22 @@ class PoplarExecutor:
         self._observe.start(di, ga, rf)
         if self._training:
             self._send_loaded_optimizer_state()
-            self._gradients.start(self._compiled, self._state)
-            result = self._engine.run_training(self._state, inputs, collector, di, ga, rf)
+        # floating-point checks on: an exception leaves the device as before the call
+        before = self._state.snapshot() if self._fp_checks else None
+        try:
+            if self._training:
+                self._gradients.start(self._compiled, self._state)
+                result = self._engine.run_training(self._state, inputs, collector, di, ga, rf)
+            else:
+                result = self._engine.run_inference(self._state.params, self._state.buffers,
+                                                    inputs, collector, di, rf)
+        except FloatingPointException:
+            if before is not None:
+                self._state.restore(before)
+            raise
+        if self._training:
             self._weights.download(self._compiled, fresh=False)
             self._gradients.finish(self._compiled)
-        else:
-            result = self._engine.run_inference(self._state.params, self._state.buffers,
-                                                inputs, collector, di, rf)
         self._inputs.write_back(self._engine.written)
         self._observe.finish(self._compiled)
         return self._assemble(result)

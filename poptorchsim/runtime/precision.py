@@ -16,17 +16,29 @@ def settings(options):
     """The compiler's ``precision`` argument: what shapes the program."""
     p = options.Precision
     return {"stochastic_rounding": bool(p.enable_stochastic_rounding),
+            "floating_point_exceptions": bool(p.enable_floating_point_exceptions),
             "partials": p.partials_type,
             "running_statistics_always_float": bool(p.running_statistics_always_float),
             "seed": options._values.get("random_seed"),
             "process_id": int(options.Distributed.processId)}
 
 
+def floating_point_checks(precision):
+    """Does the program check every op for floating-point exceptions
+    (``enableFloatingPointExceptions``)?  Its model is then traced with
+    stack traces, so that an exception names the model's line."""
+    return bool((precision or {}).get("floating_point_exceptions"))
+
+
 def apply(precision, graphs):
-    """Marks half-partials ops and attaches the stochastic-rounding state to
-    ``graphs`` (one program's); returns the ``Rounding`` or None."""
+    """Marks half-partials ops and attaches the stochastic-rounding state and
+    the floating-point checks to ``graphs`` (one program's); returns the
+    ``Rounding`` or None."""
     if not precision:
         return None
+    if floating_point_checks(precision):
+        for g in graphs:
+            g.floating_point_checks = True
     if precision.get("partials") == "half":
         for g in graphs:
             mark_partials(g, "half")

@@ -29,6 +29,32 @@ class DeviceState:
     combined_scale = None       # per trainable param: SGD1's gradient scale into the velocity
     loss_scale = None           # automatic loss scaling: a machine.precision.LossScale
 
+    def snapshot(self):
+        """What a call may change, to put back if it fails: the lists that
+        hold the device tensors (with floating-point checks on, the engine
+        runs every op out of place, so the tensors themselves are not
+        written) and automatic loss scaling's counters."""
+        scale = self.loss_scale
+        return (list(self.params or ()), [list(b) for b in self.buffers or ()],
+                [list(s) for s in self.opt_state] if self.opt_state is not None else None,
+                list(self.steps) if self.steps is not None else None,
+                self.grad_scale, list(self.step_extra),
+                list(self.combined_scale) if self.combined_scale is not None else None,
+                None if scale is None else (scale.factor, scale.counter, scale.statistics,
+                                            list(scale.history)))
+
+    def restore(self, snapshot):
+        """The state as ``snapshot`` took it (a failed call leaves the device
+        as it was before the call)."""
+        (params, buffers, opt_state, steps, self.grad_scale, step_extra,
+         self.combined_scale, scale) = snapshot
+        self.params[:] = params
+        self.buffers[:] = buffers
+        self.opt_state, self.steps, self.step_extra = opt_state, steps, step_extra
+        if scale is not None:
+            ls = self.loss_scale
+            ls.factor, ls.counter, ls.statistics, ls.history = scale
+
 
 def same_memory(a, b):
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() \
