@@ -441,8 +441,9 @@ class PoplarExecutor:
         A variable attribute (PopTorch's ``variable_attrs``) changes without
         recompiling; a constant one that changes is refused as PopART refuses
         it.  A new optimizer object brings its own state.  A different
-        optimizer type re-traces the update graph (PopART refuses this; the
-        simulator allows it, keeping the training step)."""
+        optimizer type, or the same type in another mode (Adam and AdamW,
+        SGD's separate and combined variants), is refused as PopART refuses
+        it, the model unchanged."""
         opt_rules.optimizer_type(optimizer)
         self._check_running_mean(optimizer)     # PopTorch's ValueError comes first
         if self._compiled is None:
@@ -452,9 +453,8 @@ class PoplarExecutor:
         c = self._compiled
         settings, plan = compiler.update_plan(optimizer, c.program.accumulation,
                                               **self._update_options())
-        if settings.type == self._opt_settings.type:
-            opt_rules.check_replacement(self._opt_settings, settings,
-                                        self._group_tensor_names())
+        opt_rules.check_same_type(self._opt_settings.type, settings.type)
+        opt_rules.check_replacement(self._opt_settings, settings, self._group_tensor_names())
         compiler.check_loss_scaling(c, plan)
         self._adopt_optimizer(optimizer)
         new_object = optimizer is not self._optimizer
