@@ -12,6 +12,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet torch==2.14.1 torchvision==0.29.1 || $(BIN)/pip install --quiet "torch>=2.4" "torchvision>=0.19"
 	$(BIN)/pip install --quiet -e ".[examples,dev]"
 	$(BIN)/pip install --quiet -e ".[transformers]" || echo "transformers not installed: the Hugging Face tests will skip"
+	$(BIN)/pip install --quiet -e ".[timm]" || echo "timm not installed: the timm model-hub tests will skip"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -26,6 +27,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/fidelity.py
 	$(BIN)/python benchmarks/tile_scaling.py
 	$(BIN)/python benchmarks/model_zoo.py
+	$(BIN)/python benchmarks/model_hub.py --markdown benchmarks/out/model_hub.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info
