@@ -16,8 +16,9 @@ the blocks in the order the model entered them and gets back each block's
 stage and IPU (``strategy.assign(blocks)``), following PopTorch's rules:
 
 * no arguments (``AutoStage.SameAsIpu``): stage = the block's ``ipu_id``;
-* ``AutoStage.AutoIncrement``: each new block starts the next stage, except
-  that, when pipelining, consecutive blocks on one IPU share a stage;
+* ``AutoStage.AutoIncrement``: each new block starts the next stage (from 1:
+  stage 0 holds the ops before the first block), except that, when
+  pipelining, consecutive blocks on one IPU share a stage;
 * explicit stages (``"A"``, ``["A", "B"]`` or ``Stage("A", "B").ipu(1)``):
   stage = position in the argument list;
 * IPU = ``Stage.ipu()`` if set, else the block's ``ipu_id``, else the stage.
@@ -326,19 +327,26 @@ class _StagedExecution(_IExecutionStrategy):
         return None if self._block_map else self._auto_stage
 
     # -- compiler side ------------------------------------------------------------
-    def assign(self, blocks):
+    def assign(self, blocks, default=False):
         """``{user_id: (stage_id, ipu)}`` for ``blocks``, the ``(user_id,
         ipu_id)`` pairs in the order the model entered them.
 
-        A block id seen twice keeps its first entry."""
+        A block id seen twice keeps its first entry.  ``default``: the model
+        runs ops before its first block; they form PopTorch's default block,
+        key ``None``, on IPU 0 in stage 0 (the stage and IPU PopTorch's
+        compiler starts with).  With ``AutoStage.AutoIncrement`` PopTorch
+        numbers blocks from stage 1, after that default stage; pipelining
+        merges the default stage with a first block on IPU 0."""
         entered = {}
         for user_id, ipu_id in blocks:
             entered.setdefault(user_id, ipu_id)
         if self._block_map:
-            return self._assign_explicit(entered)
-        if self._auto_stage == enums.AutoStage.SameAsIpu:
-            return self._assign_same_as_ipu(entered)
-        return self._assign_auto_increment(entered)
+            out = self._assign_explicit(entered)
+        elif self._auto_stage == enums.AutoStage.SameAsIpu:
+            out = self._assign_same_as_ipu(entered)
+        else:
+            return self._assign_auto_increment({None: 0, **entered} if default else entered)
+        return {None: (0, 0), **out} if default else out
 
     def _assign_explicit(self, entered):
         out = {}
@@ -362,15 +370,21 @@ class _StagedExecution(_IExecutionStrategy):
         return out
 
     def _assign_auto_increment(self, entered):
+        """PopTorch numbers blocks 1, 2, ... in the order the model enters
+        them (stage 0 is the default block's, key ``None``); a block with no
+        ``ipu_id`` runs on the IPU of that number.  When pipelining,
+        consecutive blocks on one IPU are one stage (PopTorch starts a stage
+        at each change of IPU), with the first one's number."""
         out = {}
-        stage, last_ipu = -1, None
+        stage, number, last_ipu = None, 0, None
         for user_id, ipu_id in entered.items():
-            # Pipelining: consecutive blocks on one IPU are one stage.
-            same_ipu = ipu_id is not None and ipu_id == last_ipu
-            if not (self.is_pipelined and same_ipu):
-                stage += 1
-            last_ipu = _first_set(ipu_id, stage)
-            out[user_id] = (stage, last_ipu)
+            if user_id is not None:
+                number += 1
+            ipu = _first_set(ipu_id, 0 if user_id is None else number)
+            if stage is None or not (self.is_pipelined and ipu == last_ipu):
+                stage = 0 if user_id is None else number
+            last_ipu = ipu
+            out[user_id] = (stage, ipu)
         return out
 
     def __repr__(self):
@@ -561,7 +575,7 @@ class _IPhasedExecution(_IExecutionStrategy):
                 "serial_phases_execution": bool(self.serial)}
 
     # -- compiler side ------------------------------------------------------------
-    def assign(self, blocks):
+    def assign(self, blocks, default=False):
         """``{user_id: (stage_id, ipu)}`` for ``blocks``, the ``(user_id,
         ipu_id)`` pairs in the order the model entered them.
 
@@ -570,6 +584,10 @@ class _IPhasedExecution(_IExecutionStrategy):
         layout PopTorch's documentation describes: serial phases put the k-th
         stage of every phase on IPU k; parallel phases put it on IPU
         ``2k + phase % 2`` (phase 0 on IPUs 0, 2, ...; phase 1 on 1, 3, ...).
+
+        ``default``: the model runs ops before its first block; they form
+        PopTorch's default block, key ``None``, in phase 0 on IPU 0 (the
+        stage of phase 0 on IPU 0 where there is one).
         """
         entered = {}
         for user_id, ipu_id in blocks:
@@ -583,6 +601,10 @@ class _IPhasedExecution(_IExecutionStrategy):
             phase, index = self._position[stage_id]
             out[user_id] = (stage_id, _first_set(self._stages[stage_id]._ipu, ipu_id,
                                                  self._default_ipu(phase, index)))
+        if default:
+            phase_of = self.phase_of_stage()
+            on_ipu0 = sorted(s for s, ipu in out.values() if ipu == 0 and phase_of[s] == 0)
+            out = {None: (on_ipu0[0] if on_ipu0 else 0, 0), **out}
         return out
 
     def _default_ipu(self, phase, index):

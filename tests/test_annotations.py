@@ -351,18 +351,24 @@ def test_same_as_ipu_needs_an_ipu_for_every_block():
 
 
 def test_auto_increment_merges_consecutive_blocks_on_one_ipu_when_pipelined():
+    # PopTorch numbers blocks from stage 1 (stage 0: the ops before any block)
     blocks = [("A", 0), ("B", 0), ("C", 1), ("D", 1), ("E", 0)]
     assert PipelinedExecution(AutoStage.AutoIncrement).assign(blocks) == {
-        "A": (0, 0), "B": (0, 0), "C": (1, 1), "D": (1, 1), "E": (2, 0)}
+        "A": (1, 0), "B": (1, 0), "C": (3, 1), "D": (3, 1), "E": (5, 0)}
     # sharding: every block is its own stage
     assert ShardedExecution(AutoStage.AutoIncrement).assign(blocks) == {
-        "A": (0, 0), "B": (1, 0), "C": (2, 1), "D": (3, 1), "E": (4, 0)}
+        "A": (1, 0), "B": (2, 0), "C": (3, 1), "D": (4, 1), "E": (5, 0)}
+    # the ops before any block: stage 0 on IPU 0, merged with a first block there
+    assert PipelinedExecution(AutoStage.AutoIncrement).assign(blocks, default=True) == {
+        None: (0, 0), "A": (0, 0), "B": (0, 0), "C": (3, 1), "D": (3, 1), "E": (5, 0)}
 
 
 def test_auto_increment_without_ipus_puts_each_stage_on_its_own_ipu():
+    # PopTorch: a block with no ipu_id runs on the IPU of its stage number,
+    # which starts at 1 (options.py _DefaultStageManager, _options_impl.beginStage)
     blocks = [("0", None), ("1", None), ("2", 1)]
     assert PipelinedExecution(AutoStage.AutoIncrement).assign(blocks) == {
-        "0": (0, 0), "1": (1, 1), "2": (1, 1)}
+        "0": (1, 1), "1": (2, 2), "2": (3, 1)}
 
 
 def test_explicit_stages_take_their_position_and_ipu():

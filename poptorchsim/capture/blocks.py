@@ -34,7 +34,10 @@ def enter_block(user_id, ipu_id, inputs=()):
 
     ``inputs``: the tensors entering the block.  A gradient hook on each makes
     the backward pass switch back to the previous block once the block's own
-    backward is done, so every backward op lands in its forward op's block."""
+    backward is done, so every backward op lands in its forward op's block.
+    Before the first block the previous block is PopTorch's default block
+    (no block, ``None``: IPU 0), where the backward of the ops traced before
+    any block then runs too."""
     log = _log()
     if log is None:
         return
@@ -42,9 +45,11 @@ def enter_block(user_id, ipu_id, inputs=()):
     previous = custom.get("block")
     custom["block"] = (None if user_id is None else str(user_id), ipu_id)
     log.append(custom["block"])
-    if previous not in (None, NO_ACTIVE_BLOCK) and previous != custom["block"]:
+    if previous != NO_ACTIVE_BLOCK and previous != custom["block"]:
         for t in inputs:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+            # a leaf (a parameter handed to a block) was made by no block
+            if isinstance(t, torch.Tensor) and t.requires_grad and (
+                    previous is not None or t.grad_fn is not None):
                 t.register_hook(_switch_to(previous))
 
 
@@ -83,14 +88,18 @@ def current_block():
     return None if block == NO_ACTIVE_BLOCK else block
 
 
+_UNSEEN = object()
+
+
 class _BlockCrossings(TorchFunctionMode):
     """Sees every tensor that flows from one block into another (``Block``
-    scopes pass no inputs to ``enter_block``) and hooks its gradient, so the
+    scopes pass no inputs to ``enter_block``), the default block (``None``,
+    ops before the first block) included, and hooks its gradient, so the
     backward pass switches back to the producing block there."""
 
     def __init__(self):
         super().__init__()
-        self.produced = {}         # id(tensor) -> block
+        self.produced = {}         # id(tensor) -> block (None: the default block)
         self.keep = []             # the tensors, so their ids stay unique
         self.hooked = set()
 
@@ -98,17 +107,18 @@ class _BlockCrossings(TorchFunctionMode):
         kwargs = kwargs or {}
         custom = fx_traceback.current_meta.get("custom", {})
         block = custom.get("block")
-        if block == NO_ACTIVE_BLOCK:
-            block = None
-        if block is not None and not custom.get("backward"):
+        follow = block != NO_ACTIVE_BLOCK and not custom.get("backward")
+        if follow:
             for t in pytree.tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    src = self.produced.get(id(t))
-                    if src is not None and src != block and (id(t), src) not in self.hooked:
+                    src = self.produced.get(id(t), _UNSEEN)
+                    if src is None and t.grad_fn is None:
+                        continue     # a leaf made ready before the forward (a parameter)
+                    if src is not _UNSEEN and src != block and (id(t), src) not in self.hooked:
                         self.hooked.add((id(t), src))
                         t.register_hook(_switch_to(src))
         out = func(*args, **kwargs)
-        if block is not None and not custom.get("backward"):
+        if follow:
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self.produced[id(t)] = block

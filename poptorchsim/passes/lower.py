@@ -240,6 +240,9 @@ def _control_flow(node, scopes, env, arg, bring, append, owner):
     """Handles a loop or conditional marker: opens or closes a body scope,
     and on closing adds the loop or conditional op to the enclosing graph."""
     target, name, vals = node.target, node.name, node.meta.get("val")
+    custom = node.meta.get("custom", {})
+    # the loop or conditional runs in the block it was traced in
+    where = {"block": custom.get("block"), "backward": bool(custom.get("backward", False))}
     if target is FLOW["loop_begin"]:
         carried, count = arg(node.args[0]), node.args[1]
         body = Graph(f"{name}_body")
@@ -256,7 +259,7 @@ def _control_flow(node, scopes, env, arg, bring, append, owner):
         parent = scopes[-1].graph
         op = Op(len(parent.ops), name, LOOP, (body.info["carried"], body.outer), {}, [],
                 "loop", multi_output=True, subgraphs={"body": body.graph},
-                attrs={"count": body.info["count"]})
+                attrs={"count": body.info["count"]}, **where)
         env[node] = append(parent, op, vals)
     elif target is FLOW["cond_begin"]:
         condition = arg(node.args[0])
@@ -276,7 +279,8 @@ def _control_flow(node, scopes, env, arg, bring, append, owner):
         parent = scopes[-1].graph
         op = Op(len(parent.ops), name, COND,
                 (then.info["condition"], then.outer, orelse.outer), {}, [], "cond",
-                multi_output=True, subgraphs={"then": then.graph, "else": orelse.graph})
+                multi_output=True, subgraphs={"then": then.graph, "else": orelse.graph},
+                **where)
         env[node] = append(parent, op, vals)
 
 

@@ -1,11 +1,18 @@
 """Pipeline stages: which stage and IPU every op runs on, and the schedule.
 
+* ``dense_stages``: the stages of a model, in order, from the (stage id,
+  IPU) the strategy gives each block.  Ops traced before any block are in
+  PopTorch's default block (key ``None``): stage 0 on IPU 0, the stage and
+  IPU PopTorch's compiler starts with.  So ``layers[0]`` left unannotated
+  before ``BeginBlock(layers[1], ipu_id=1)`` runs on IPU 0 as its own stage.
 * ``assign_stages``: forward ops take the stage and IPU of the block they
-  were traced in (``BeginBlock``/``Block``); ops traced before any block go
-  with the first stage.  The backward pass starts at the first op after the
-  forward that has no block; each backward op runs in the stage of the
-  earliest stage it reads from, so the gradient of a layer is computed on the
-  IPU that holds the layer.  Optimizer-update ops run on their parameter's IPU.
+  were traced in (``BeginBlock``/``Block``, or the default block).  Capture
+  switches blocks during the backward pass as the gradients cross block
+  boundaries, so the gradient of a layer is computed on the IPU that holds
+  the layer.  Optimizer-update ops run on their parameter's IPU.
+* ``pipeline_stage_count``: the number of pipeline stages PopTorch's rules
+  count: one, plus one each time the active IPU changes in the forward pass,
+  starting from IPU 0.
 * ``check_rules``: PopTorch's rules, before compiling, with its texts.
 * ``schedule``: PopTorch's pipeline: N forward stages and N-1 backward stages
   (the last forward stage fused with the first backward one), so S = 2N-1
@@ -20,19 +27,61 @@ from dataclasses import dataclass, field
 from ..errors import Error
 
 
+def has_default_block(graph):
+    """Whether forward ops were traced before any block (``op.block`` None)."""
+    return any(op.block is None and not op.backward for op in graph.ops)
+
+
+def dense_stages(stage_of_block, entered=()):
+    """The model's stages in order, from ``stage_of_block`` = {block id:
+    (stage id, IPU)} (block id ``None``: the default block).
+
+    A stage is one (stage id, IPU) pair: blocks sharing both run as one
+    stage; one stage id on two IPUs (``Stage("A", "B")`` with blocks on
+    different IPUs) is two stages, as PopTorch starts a pipeline stage at
+    each change of IPU.  Order: stage id, then the order the model entered
+    the blocks (``entered``; the default block first).
+
+    Returns ``(where, keys)``: ``where`` = {block id: (stage index, IPU)},
+    ``keys`` = [(stage id, IPU)] per stage index."""
+    seen = {}
+    for block in (None, *entered, *stage_of_block):
+        if block in stage_of_block:
+            seen.setdefault(stage_of_block[block], len(seen))
+    keys = sorted(seen, key=lambda k: (k[0], seen[k]))
+    index = {k: i for i, k in enumerate(keys)}
+    where = {b: (index[k], k[1]) for b, k in stage_of_block.items()}
+    return where, keys
+
+
+def pipeline_stage_count(graph):
+    """PopTorch's count of forward pipeline stages, which its rules use: one,
+    plus one each time the active IPU changes in the forward pass, starting
+    from IPU 0 (PopTorch's compiler starts on IPU 0, and counts the switch
+    even when no op ran there)."""
+    last, switches = 0, 0
+    for op in graph.ops:
+        if not op.backward and op.ipu != last:
+            switches, last = switches + 1, op.ipu
+    return switches + 1
+
+
 def assign_stages(graph, stage_of_block, training):
     """Sets ``op.stage`` and ``op.ipu``; returns {tensor id: (stage, ipu)}.
 
     Ops carry the block they were traced in, forward and backward alike
     (capture switches blocks during the backward pass as the gradients cross
     block boundaries).  Ops with no block (before the first ``BeginBlock``)
-    go with the stage of their inputs, or the first stage."""
+    run in the default block, key ``None``, where ``stage_of_block`` has one;
+    otherwise (and ops whose block is unknown) with the stage of their
+    inputs, or the first stage."""
     placed = {}
     first = min(stage_of_block.values()) if stage_of_block else (0, 0)
     for op in graph.ops:
         ins = [placed[t.id] for t in op.input_tensors() if t.id in placed]
-        if op.block is not None and op.block[0] in stage_of_block:
-            where = stage_of_block[op.block[0]]
+        key = None if op.block is None else op.block[0]
+        if key in stage_of_block and (key is not None or op.block is None):
+            where = stage_of_block[key]
         else:
             where = min(ins) if ins else first
         op.stage, op.ipu = where
@@ -112,26 +161,34 @@ def _of_first_consumer(graph, attr):
 
 
 def stage_map_text(graph, stage_of_block):
-    """Which blocks and how many ops sit on each stage and IPU."""
+    """Which blocks and how many ops sit on each stage and IPU.
+    ``stage_of_block``: {block id: (stage index, IPU)}, ``where`` of
+    ``dense_stages`` (block id ``None``: the ops before the first block)."""
     lines = []
     by_stage = {}
     for block, (stage, ipu) in stage_of_block.items():
         by_stage.setdefault((stage, ipu), []).append(block)
     for (stage, ipu), blocks in sorted(by_stage.items()):
         n = sum(1 for op in graph.ops if op.stage == stage and not op.backward)
-        lines.append(f"  stage {stage} on IPU {ipu}: blocks {', '.join(map(str, blocks))} "
-                     f"({n} forward ops)")
+        named = ", ".join(str(b) for b in blocks if b is not None)
+        what = " and ".join(([f"blocks {named}"] if named else [])
+                            + (["the ops before the first block"] if None in blocks else []))
+        lines.append(f"  stage {stage} on IPU {ipu}: {what} ({n} forward ops)")
     return "\n".join(lines)
 
 
 def num_ipus_needed(stage_of_block):
+    """PopTorch's count: the IPUs used, or the highest IPU index + 1."""
     ipus = {ipu for _, ipu in stage_of_block.values()} or {0}
     return max(len(ipus), max(ipus) + 1)
 
 
 def check_rules(*, training, pipelined, n_stages, di, ga, rf, n_ipus, auto_round,
-                stage_map, logger=None):
-    """PopTorch's pipelining and IPU-count rules, raised before compiling."""
+                stage_map, logger=None, stages_with_ops=None):
+    """PopTorch's pipelining and IPU-count rules, raised before compiling.
+
+    ``n_stages``: the forward stages PopTorch counts (``pipeline_stage_count``);
+    ``stages_with_ops``: the stages of the stage map, where that differs."""
     total = n_ipus * rf
     if total > 64:
         raise Error(f"Too many IPUs requested ({total}). Experiments that need more than "
@@ -155,6 +212,10 @@ def check_rules(*, training, pipelined, n_stages, di, ga, rf, n_ipus, auto_round
                 "offline targets (and this simulator) run it as it is.")
     if not pipelined or n_stages <= 1:
         return
+    if stages_with_ops is not None and stages_with_ops != n_stages:
+        stage_map += (f"\n  ({stages_with_ops} stages hold ops; PopTorch counts {n_stages}: "
+                      "one, plus one each time the active IPU changes, starting from "
+                      "IPU 0)")
     if training:
         needed = 2 * n_stages - 1
         if ga < needed:

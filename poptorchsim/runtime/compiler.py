@@ -344,21 +344,34 @@ def _plan(program, target, amp, variables, allow_oom, bar=None, settings=None):
 
 
 def _place(program, graph, capture, strategy, *, training, di, ga, rf, auto_round):
-    """Stages and IPUs of every op, PopTorch's rules checked first."""
+    """Stages and IPUs of every op, PopTorch's rules checked first.
+
+    Ops traced before the model's first block form PopTorch's default block
+    (stage 0 on IPU 0) when the strategy places it (``assign(..., default=
+    True)``); a strategy that does not (the auto-split's) keeps them with
+    the first stage."""
+    import inspect
     import logging
     from ..passes.pipeline import (assign_stages, check_rules, check_shared_weights,
-                                   num_ipus_needed, stage_map_text)
+                                   dense_stages, has_default_block, num_ipus_needed,
+                                   pipeline_stage_count, stage_map_text)
+    entered = list(dict.fromkeys(b for b, _ in capture.blocks))
+    stage_of_block = {}
     if capture.blocks:
+        default = has_default_block(graph)
         if strategy is not None and hasattr(strategy, "assign"):
-            stage_of_block = strategy.assign(capture.blocks)
+            if default and "default" in inspect.signature(strategy.assign).parameters:
+                stage_of_block = strategy.assign(capture.blocks, default=True)
+            else:
+                stage_of_block = strategy.assign(capture.blocks)
         else:
             stage_of_block = {b: (ipu or 0, ipu or 0) for b, ipu in capture.blocks}
-    else:
-        stage_of_block = {}
-    assign_stages(graph, stage_of_block, training)
+            if default:
+                stage_of_block = {None: (0, 0), **stage_of_block}
+    where, keys = dense_stages(stage_of_block, entered)
+    assign_stages(graph, where, training)
     check_shared_weights(graph, getattr(capture, "tied", {}))
-    order = [stage_of_block[b][0] for b, _ in dict.fromkeys(capture.blocks)
-             if b in stage_of_block]
+    order = [stage_of_block[b][0] for b in (None, *entered) if b in stage_of_block]
     if getattr(strategy, "is_phased", False):
         # phased: stages of one phase may run in any order; phases ascend
         order = [strategy.phase_of_stage()[s] for s in order]
@@ -368,30 +381,25 @@ def _place(program, graph, capture, strategy, *, training, di, ga, rf, auto_roun
                 f"Pipeline stage ids must ascend in the order the model runs its blocks, "
                 f"but stage {later} runs after stage {earlier} (PopTorch: BeginBlock order "
                 "must follow execution order).\nStage map:\n"
-                + stage_map_text(graph, stage_of_block)
+                + stage_map_text(graph, where)
                 + "\nGive later blocks higher ipu_ids, or use "
                 "poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement).")
-    stages = sorted({s for s, _ in stage_of_block.values()}) or [0]
-    # renumber stages densely, in order
-    dense = {s: i for i, s in enumerate(stages)}
-    for op in graph.ops:
-        op.stage = dense.get(op.stage, 0)
-    ipu_of_stage = [0] * len(stages)
-    for s, ipu in stage_of_block.values():
-        ipu_of_stage[dense[s]] = ipu
+    n = len(keys) or 1
+    ipu_of_stage = [ipu for _, ipu in keys] or [0]
     if getattr(strategy, "is_phased", False):
-        _phases(program, strategy, stage_of_block, stages)
+        _phases(program, strategy, stage_of_block, [s for s, _ in keys] or [0])
     pipelined = bool(getattr(strategy, "is_pipelined", True))
-    program.stage_map = stage_map_text(graph, stage_of_block) if stage_of_block else ""
-    program.n_stages, program.ipu_of_stage = len(stages), ipu_of_stage
-    program.n_ipus = num_ipus_needed(stage_of_block)
-    program.pipelined = pipelined and len(stages) > 1
-    n = len(stages)
+    program.stage_map = stage_map_text(graph, where) if where else ""
+    program.n_stages, program.ipu_of_stage = n, ipu_of_stage
+    program.n_ipus = num_ipus_needed(where)
+    # PopTorch enables pipelining when the model uses more than one IPU
+    program.pipelined = pipelined and len(set(ipu_of_stage)) > 1
     graph.stash_depth = ({s: 2 * (n - 1 - s) + 1 for s in range(n)}
                          if program.pipelined and training else None)
-    check_rules(training=training, pipelined=pipelined, n_stages=len(stages), di=di, ga=ga,
-                rf=rf, n_ipus=program.n_ipus, auto_round=auto_round,
-                stage_map=program.stage_map, logger=logging.getLogger("poptorchsim"))
+    check_rules(training=training, pipelined=pipelined, n_stages=pipeline_stage_count(graph),
+                di=di, ga=ga, rf=rf, n_ipus=program.n_ipus, auto_round=auto_round,
+                stage_map=program.stage_map, logger=logging.getLogger("poptorchsim"),
+                stages_with_ops=n)
 
 
 def _phases(program, strategy, stage_of_block, stages):
