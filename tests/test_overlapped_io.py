@@ -118,7 +118,9 @@ def test_accumulation_loop_overlap_needs_an_accumulation_loop():
         torch.manual_seed(0)
         model = Streaming(m)
         pm = poptorch.inferenceModel(model, sharded(32, di=8))
-        torch.testing.assert_close(pm(x), model(x), rtol=0, atol=0)
+        # the device runs micro-batches of 8 rows, eager all 64 at once: the
+        # matmul kernel may block them differently (float32 rounding)
+        torch.testing.assert_close(pm(x), model(x))
         host[m] = pm.cycleEstimate()["host"]
     assert host[OM.OverlapAccumulationLoop] == host[OM.NoOverlap]
     assert host[OM.OverlapDeviceIterationLoop] < host[OM.NoOverlap]
