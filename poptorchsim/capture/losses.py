@@ -21,8 +21,8 @@ LOSS_FUNCTIONS = {
     F.gaussian_nll_loss, F.ctc_loss,
 }
 
-# Functions whose result has the value of their input (a loss returned as
-# ``loss.detach()`` or ``loss.item()``-free ``loss.float()`` is still the loss).
+# Functions whose result has the value of their input: a loss returned as
+# ``loss.detach()``, ``loss.float()`` or ``loss.view(1)`` is still the loss.
 _SAME_VALUE = {"detach", "clone", "view", "reshape", "squeeze", "unsqueeze", "flatten",
                "float", "to", "type_as", "contiguous", "__get__", "expand_as", "view_as"}
 
