@@ -755,3 +755,29 @@ def test_unexpected_optimizer_attributes_are_reported_once(relax):
     assert [m for m in records.messages if m.startswith("Ignoring")] == expected
     levels = [lv for lv, m in zip(records.levels, records.messages) if m.startswith("Ignoring")]
     assert levels == ["DEBUG" if relax else "WARNING"] * 2
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.01),
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.01),
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    lambda p: torch.optim.Adam(p, lr=1e-3, weight_decay=0.01),
+    lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01),
+    lambda p: torch.optim.RMSprop(p, lr=1e-3, weight_decay=0.01),
+    lambda p: torch.optim.RMSprop(p, lr=1e-3, centered=True, momentum=0.5, weight_decay=0.01),
+], ids=["sgd", "sgd-dampening", "sgd-nesterov", "adam", "adamw", "rmsprop",
+        "rmsprop-centered"])
+def test_one_update_per_call_is_bit_for_bit_torch_optim(make):
+    """Each update rounds as torch.optim's in-place arithmetic does (fused
+    multiply-adds in add(alpha=), addcmul and lerp; addcdiv's order): an ulp
+    a step apart would grow in an unstable model."""
+    torch.manual_seed(0)
+    model = ClassifierWithLoss(in_features=64, hidden=32, classes=10)
+    ref = copy.deepcopy(model)
+    pm = poptorchsim.trainingModel(model, options(), make(model.parameters()))
+    ref_opt = make(ref.parameters())
+    for call in range(4):
+        x, y = classification_batch(4, in_features=64, classes=10, seed=call)
+        pm(x, y)
+        reference_call(ref, ref_opt, (x, y))
+    assert_state_close(model, ref, rtol=0, atol=0)

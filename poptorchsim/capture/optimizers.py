@@ -620,24 +620,44 @@ def _step(param, direction, size):
     return torch.addcmul(param, direction, -size)
 
 
+# torch.optim's in-place arithmetic rounds as these do, so that the traced
+# update equals it bit for bit: ``a.add(b, alpha=s)`` and ``addcmul`` round
+# once (a fused multiply-add), ``lerp`` is a fused multiply-add, ``addcdiv``
+# computes ``a + (s * b) / c``.  Written as separate multiplies and adds the
+# update differs by an ulp a step, which unstable models amplify.
+def _add_scaled(a, b, s):
+    """``a + s * b`` as ``a.add(b, alpha=s)``."""
+    return torch.addcmul(a, b, s)
+
+
+def _add_square(a, b, s):
+    """``a + s * b * b`` as ``a.addcmul(b, b, value=s)``."""
+    return torch.addcmul(a, b * s, b)
+
+
+def _add_quotient(a, b, c, s):
+    """``a + s * b / c`` as ``a.addcdiv(b, c, value=s)``."""
+    return a + s * b / c
+
+
 @_rule("sgd", ("lr", "momentum", "dampening", "weight_decay"))
 def sgd(param, grad, state, h, step, flags):
     if flags["maximize"]:
         grad = -grad
     if flags["weight_decay"]:
-        grad = grad + h["weight_decay"] * param
+        grad = _add_scaled(grad, param, h["weight_decay"])
     if flags["momentum"]:
         buf = state["momentum_buffer"]
         if flags["velocity_scaled"]:        # stored multiplied by the loss scaling
             buf = buf / h["loss_scaling"]
         if flags["dampening"]:
-            accumulated = buf * h["momentum"] + (1 - h["dampening"]) * grad
+            accumulated = _add_scaled(buf * h["momentum"], grad, 1 - h["dampening"])
             # torch copies the first gradient into the buffer undamped
             accumulated = torch.where(step > 1, accumulated, grad)
         else:       # (1 - 0) * grad is grad: no multiply
             accumulated = buf * h["momentum"] + grad
         buf = accumulated
-        grad = grad + h["momentum"] * buf if flags["nesterov"] else buf
+        grad = _add_scaled(grad, buf, h["momentum"]) if flags["nesterov"] else buf
         if flags["velocity_scaled"]:
             state = {"momentum_buffer": buf * h["loss_scaling"]}
         else:
@@ -678,19 +698,19 @@ def _adam_like(param, grad, state, h, step, flags, decoupled):
         if decoupled:
             param = param * (1 - h["lr"] * h["weight_decay"])
         else:
-            grad = grad + h["weight_decay"] * param
+            grad = _add_scaled(grad, param, h["weight_decay"])
     beta1, beta2 = h["beta1"], h["beta2"]
-    exp_avg = exp_avg + (grad - exp_avg) * (1 - beta1)
-    exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * grad * grad
+    exp_avg = torch.lerp(exp_avg, grad, (1 - beta1).to(exp_avg.dtype))
+    exp_avg_sq = _add_square(exp_avg_sq * beta2, grad, 1 - beta2)
     new_state = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if not flags["bias_correction"]:
         denom = exp_avg_sq.sqrt() + h["eps"]
-        return _step(param, exp_avg / denom, h["lr"]), new_state
+        return _add_quotient(param, exp_avg, denom, -h["lr"]), new_state
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
     step_size = h["lr"] / bias_correction1
     denom = exp_avg_sq.sqrt() / bias_correction2.sqrt() + h["eps"]
-    return _step(param, exp_avg / denom, step_size), new_state
+    return _add_quotient(param, exp_avg, denom, -step_size), new_state
 
 
 @_rule("adam", ("lr", "beta1", "beta2", "eps", "weight_decay"))
@@ -709,14 +729,14 @@ def rmsprop(param, grad, state, h, step, flags):
     if flags["maximize"]:
         grad = -grad
     if flags["weight_decay"]:
-        grad = grad + h["weight_decay"] * param
+        grad = _add_scaled(grad, param, h["weight_decay"])
     alpha = h["alpha"]
-    square_avg = state["square_avg"] * alpha + (1 - alpha) * grad * grad
+    square_avg = _add_square(state["square_avg"] * alpha, grad, 1 - alpha)
     new_state["square_avg"] = square_avg
     if flags["centered"]:
-        grad_avg = state["grad_avg"] + (grad - state["grad_avg"]) * (1 - alpha)
+        grad_avg = torch.lerp(state["grad_avg"], grad, (1 - alpha).to(grad.dtype))
         new_state["grad_avg"] = grad_avg
-        square_avg = square_avg - grad_avg * grad_avg
+        square_avg = torch.addcmul(square_avg, -grad_avg, grad_avg)
     if flags["tf_variant"]:         # eps inside the square root
         avg = (square_avg + h["eps"]).sqrt()
     else:
@@ -729,7 +749,7 @@ def rmsprop(param, grad, state, h, step, flags):
         buf = state["momentum_buffer"] * h["momentum"] + grad / avg
         new_state["momentum_buffer"] = buf
         return _step(param, buf, h["lr"]), new_state
-    return _step(param, grad / avg, h["lr"]), new_state
+    return _add_quotient(param, grad, avg, -h["lr"]), new_state
 
 
 @_rule("lamb", ("lr", "beta1", "beta2", "eps", "weight_decay", "max_weight_norm"))
