@@ -1012,6 +1012,36 @@ def markdown(rows):
     return "\n".join(lines)
 
 
+def _short(row):
+    """One cell of the per-model table: the difference and how it was judged."""
+    v = row.verdict
+    if v.startswith("match"):
+        mark = {"match": "", "match (fp64 arbiter)": " (f64)",
+                "match (fp32 arbiter)": " (f32)"}.get(v, "")
+        return f"{'0' if row.diff == 0 else _fmt(row.diff, '.0e')}{mark}"
+    if v.startswith("refused"):
+        return "refused: " + v.split(":")[1].strip()
+    return f"**{v.split(':')[0]}**"
+
+
+def compact(rows, ratios):
+    """One line per model: each mode's largest difference from eager PyTorch
+    (``(f64)``/``(f32)``: judged against a float64/float32 re-run, as eager
+    itself is unstable there), and the host time per step against eager."""
+    modes = list(dict.fromkeys(r.mode for r in rows))
+    by_model = {}
+    for r in rows:
+        by_model.setdefault((r.model, r.family), {})[r.mode] = r
+    lines = ["| model | " + " | ".join(modes) + " | sim/eager per step |",
+             "|---|" + "---:|" * len(modes) + "---:|"]
+    for (model, family), cells in by_model.items():
+        ratio = ratios.get(model)
+        lines.append(f"| {model} | " + " | ".join(_cell(_short(cells[m])) if m in cells else ""
+                                                   for m in modes)
+                     + f" | {_fmt(ratio, '.2f')} |")
+    return "\n".join(lines)
+
+
 def per_model_ratio(rows):
     """Per model: the geometric mean of sim/eager per-step ratios over its modes."""
     out = {}
@@ -1101,11 +1131,9 @@ def main(argv=None):
 
     table = markdown(rows)
     ratios = per_model_ratio(rows)
-    ratio_lines = ["| model | sim/eager per step (geometric mean over modes) |", "|---|---:|"]
-    ratio_lines += [f"| {m} | {v:.2f} |" for m, v in ratios.items()]
-    ratio_table = "\n".join(ratio_lines)
-    text = (f"{table}\n\n{ratio_table}\n\n"
-            f"verdicts: {summary(rows)}; wall time {wall:.0f} s\n")
+    text = (f"{compact(rows, ratios)}\n\nverdicts: {summary(rows)}; wall time {wall:.0f} s "
+            f"({torch.get_num_threads()} torch thread(s)); sim/eager: geometric mean over "
+            f"the modes of host seconds per step\n\n{table}\n")
     print(text)
     for path in (args.markdown, args.json):
         if path:
