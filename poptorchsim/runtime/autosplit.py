@@ -21,7 +21,8 @@ class _OneStagePerBlock:
     """A strategy for measuring: every block its own stage, all on IPU 0."""
     is_pipelined = False
 
-    def assign(self, blocks):
+    def assign(self, blocks, default=False):
+        """Ops before the first block (``default``) are measured with it."""
         return {b: (i, 0) for i, (b, _) in enumerate(dict.fromkeys(blocks))}
 
 

@@ -350,7 +350,6 @@ def _place(program, graph, capture, strategy, *, training, di, ga, rf, auto_roun
     (stage 0 on IPU 0) when the strategy places it (``assign(..., default=
     True)``); a strategy that does not (the auto-split's) keeps them with
     the first stage."""
-    import inspect
     import logging
     from ..passes.pipeline import (assign_stages, check_rules, check_shared_weights,
                                    dense_stages, has_default_block, num_ipus_needed,
@@ -360,10 +359,7 @@ def _place(program, graph, capture, strategy, *, training, di, ga, rf, auto_roun
     if capture.blocks:
         default = has_default_block(graph)
         if strategy is not None and hasattr(strategy, "assign"):
-            if default and "default" in inspect.signature(strategy.assign).parameters:
-                stage_of_block = strategy.assign(capture.blocks, default=True)
-            else:
-                stage_of_block = strategy.assign(capture.blocks)
+            stage_of_block = strategy.assign(capture.blocks, default=default)
         else:
             stage_of_block = {b: (ipu or 0, ipu or 0) for b, ipu in capture.blocks}
             if default:
