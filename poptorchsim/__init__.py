@@ -82,7 +82,7 @@ def trainingModel(model, options=None, optimizer=None):
     _check_optimizer_params(model, optimizer)
     _check_no_sparse_gradients(model)
     options._freeze()
-    executor = PoplarExecutor(model, _frozen_clone(options), training=True,
+    executor = PoplarExecutor(model, _frozen_clone(options, True), training=True,
                               optimizer=optimizer)
     model._poptorchsim_wrapper = _WrapperRef(executor)
     model.destroy = _Destroy(model._poptorchsim_wrapper)
@@ -166,11 +166,18 @@ def inferenceModel(model, options=None):
                         "number of batches each run for pipelined execution instead.")
         raise Error(message)
     options._freeze()
-    return PoplarExecutor(model, _frozen_clone(options), training=False)
+    return PoplarExecutor(model, _frozen_clone(options, False), training=False)
 
 
-def _frozen_clone(options):
+def _frozen_clone(options, training):
+    """The model's own options: a frozen copy whose output mode says which
+    mode the model runs with (``Default`` resolved, as PopTorch's
+    ``model.options.output_mode`` does); the user's Options keep Default."""
+    from .runtime.config import output_mode
     clone = options.clone()
+    mode = output_mode(clone, training)
+    if mode != OutputMode(clone.output_mode):
+        clone.outputMode(mode)
     clone._freeze()
     return clone
 

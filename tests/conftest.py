@@ -8,6 +8,11 @@ the ``ga * rf`` micro-batches' gradients.
 """
 import copy
 import logging
+import os
+
+# the IR verifier runs after every compiler pass in the test suite (and in
+# the programs tests start)
+os.environ.setdefault("POPTORCHSIM_VERIFY_PASSES", "1")
 
 import pytest
 import torch

@@ -93,7 +93,7 @@ def test_checkpoints_with_recompute_all_lower_the_peak_and_add_cycles():
     assert c1["recompute"] > 0
     assert c1["total"] - c0["total"] == pytest.approx(c1["recompute"], rel=0.05)
     ops = recomputed.getIR().graphs["training_step"].ops
-    assert {op.name for op in ops if op.attrs.get("recompute")} == set(m1.recomputed_ops)
+    assert {op.name for op in ops if op.recompute} == set(m1.recomputed_ops)
 
 
 def test_checkpoints_alone_change_nothing():
@@ -156,7 +156,7 @@ def test_decreasing_intervals_are_poparts():
 def test_norm_only_recomputes_the_normalisations():
     tm = compiled(NORM_ONLY, checkpoints=False, norm=True)
     ops = tm.getIR().graphs["training_step"].ops
-    recomputed = [op for op in ops if op.attrs.get("recompute")]
+    recomputed = [op for op in ops if op.recompute]
     assert recomputed and all(op.cost_class == "norm" for op in recomputed)
     assert tm.cycleEstimate()["recompute"] > 0
     assert compiled(NONE, checkpoints=False, norm=True).cycleEstimate()["total"] < \
@@ -172,7 +172,7 @@ def test_pipelined_training_recomputes_early_stages_by_default():
     assert default.memoryReport().recomputation == "Pipeline"
     assert default.memoryReport().recomputed_ops == pipeline.memoryReport().recomputed_ops
     ops = default.getIR().graphs["training_step"].ops
-    recomputed = [op for op in ops if op.attrs.get("recompute")]
+    recomputed = [op for op in ops if op.recompute]
     assert recomputed and {op.stage for op in recomputed} == {0}
     assert "tanh_2" not in {op.name for op in recomputed}    # stage 1's input: stashed
     ipu0 = [r.not_always_live.max() for r in (default.memoryReport().ipus[0],
@@ -275,7 +275,7 @@ def test_transformer_layers_recompute_between_checkpoints():
     ops = recomputed.getIR().graphs["training_step"].ops
     norms = [op for op in ops if op.cost_class == "norm" and not op.backward]
     assert norms[-1].attrs.get("recomputation_checkpoint") and not norms[-1].attrs.get("recompute")
-    assert any(op.attrs.get("recompute") and op.name.rsplit("/", 1)[-1].startswith("bmm")
+    assert any(op.recompute and op.name.rsplit("/", 1)[-1].startswith("bmm")
                for op in ops)
     assert activation_peak(recomputed) < 0.75 * activation_peak(plain)
     report = recomputed.memoryReport()

@@ -35,6 +35,7 @@ class Tensor:
     role: str = "activation"
     producer: Optional["Op"] = None
     value: Optional[torch.Tensor] = None     # constants only
+    mapping: Any = None               # passes.tile_mapping.TileMapping (tile mapping)
 
     @property
     def numel(self):
@@ -80,6 +81,12 @@ class Op:
     # the machine charges it no cycles and no tile memory
     # (passes/host_scalars.py)
     host_scalar: bool = False
+    # set by passes (each declared here, none added later):
+    role: str = ""                    # what the op does for the program ("gradient unscale",
+                                      # "loss scaling", "loss scale update", ...; lower.mark_role)
+    recompute: bool = False           # run again before its stage's backward (passes/recompute.py)
+    watched: bool = False             # fp16 backward op the gradient watch counts (loss_scaling)
+    partials: str = "float"           # "half": fp16 partials of a matmul or conv (precision)
 
     def input_tensors(self):
         found = []
@@ -127,6 +134,14 @@ class Graph:
     # which model inputs (counted among the "input" tensors) forward() mutates;
     # their new values follow the model's own outputs
     input_writes: list = field(default_factory=list)
+    # set by passes (each declared here, none added later):
+    outputs_overwrite_inputs: bool = False   # variables updated in place (the optimizer update)
+    stash_depth: Optional[dict] = None       # stage -> activations stashed (pipelined training)
+    recompute: Any = None                    # passes.recompute.Recomputation
+    statistics_outputs: int = 0              # trailing outputs: automatic loss scaling's statistics
+    watch: Any = None                        # machine.precision.GradientWatch (fp16 gradients)
+    rounding: Any = None                     # machine.precision.Rounding (stochastic rounding)
+    floating_point_checks: bool = False      # enableFloatingPointExceptions
 
     def new_tensor(self, name, shape, dtype, role="activation", producer=None, value=None):
         t = Tensor(len(self.tensors), name, tuple(int(s) for s in shape), dtype, role,
@@ -158,15 +173,20 @@ class Repeat(Step):
 
 @dataclass(eq=False)
 class HostToDevice(Step):
-    """Streams the next device iteration's micro-batches from the host."""
+    """Streams the next device iteration's micro-batches from the host.
+    ``streams``: (overlap mode, copies, bytes) per input stream, per
+    execution of the step (on average over the call)."""
     nbytes: int
+    streams: list = field(default_factory=list)
 
 
 @dataclass(eq=False)
 class DeviceToHost(Step):
-    """Streams outputs to the host, as the output mode asks."""
+    """Streams outputs to the host, as the output mode asks (``streams`` as
+    ``HostToDevice``'s)."""
     nbytes: int
     mode: str
+    streams: list = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -198,24 +218,33 @@ class AllGather(Step):
 
 
 @dataclass(eq=False)
-class RemoteLoad(Step):
-    """Loads variables from Streaming Memory onto the tiles (per replica)."""
+class _Remote(Step):
     names: list
-    nbytes: int
+    nbytes: int                       # per replica
+    io_tiles: bool = False            # through the IO tiles (overlaps compute)
+    transfers: Optional[int] = None   # separate copies (default: one per variable)
+    phased: bool = False              # phased execution's traffic (per phase)
+
+    def __post_init__(self):
+        if self.transfers is None:
+            self.transfers = len(self.names)
 
 
 @dataclass(eq=False)
-class RemoteStore(Step):
+class RemoteLoad(_Remote):
+    """Loads variables from Streaming Memory onto the tiles (per replica)."""
+
+
+@dataclass(eq=False)
+class RemoteStore(_Remote):
     """Stores variables back to Streaming Memory (per replica)."""
-    names: list
-    nbytes: int
 
 
 @dataclass(eq=False)
 class Program:
     kind: str                         # "training" or "inference"
     graphs: dict                      # name -> Graph
-    main: Step
+    main: Optional[Step] = None       # the control program (passes/program.build_main)
     replicas: int = 1
     device_iterations: int = 1
     accumulation: int = 1
@@ -223,19 +252,26 @@ class Program:
     out_bytes: int = 0                # streamed device -> host per call
     grad_bytes: int = 0               # gradients reduced per weight update
     synthetic_data: bool = False      # no host streams (Options.enableSyntheticData)
-    sync_pattern: int = 0             # Options.syncPattern (enums.SyncPattern value)
+    sync_pattern: str = "Full"        # Options.syncPattern: its enums.SyncPattern name
     n_stages: int = 1                 # forward pipeline stages
     n_ipus: int = 1                   # IPUs per replica
     ipu_of_stage: list = field(default_factory=lambda: [0])
     pipelined: bool = False
     stage_map: str = ""
-    schedule: Any = None              # passes.pipeline.Schedule of one weight update
+    in_streams: list = field(default_factory=list)    # (overlap mode, copies, bytes) per call
+    out_streams: list = field(default_factory=list)
     processes: int = 1                # host processes sharing the replicas
+    variables: dict = field(default_factory=dict)   # device variable name -> Tensor (tile mapping)
     locations: dict = field(default_factory=dict)   # variable -> passes.locations.Location
     sharded_state: set = field(default_factory=set)  # params whose optimizer state is sharded
     phased: str = ""                  # "serial" or "parallel" phased execution
     phase_of_stage: list = None       # phase of each stage (phased execution)
     activations_off_chip: bool = False   # phased: activations wait in Streaming Memory
+
+    @property
+    def model_graph(self):
+        """The name of the graph that runs the model (once per micro-batch)."""
+        return "training_step" if self.kind == "training" else "inference_forward"
 
     @property
     def total_replicas(self):

@@ -23,6 +23,25 @@ def _arg(x):
     return repr(x)
 
 
+def _placed(op):
+    """Where an op runs and what passes decided for it: stage, IPU, the
+    tiles of its result, recomputation, fp16 partials, its role."""
+    parts = [f"stage {op.stage}", f"ipu {op.ipu}"]
+    mapping = next((t.mapping for t in op.outputs if t is not None and t.mapping is not None),
+                   None)
+    if mapping is not None:
+        parts.append(f"tiles {mapping.start}..{mapping.start + mapping.n_tiles - 1}")
+    if op.backward:
+        parts.append("backward")
+    if op.recompute:
+        parts.append("recomputed")
+    if op.partials != "float":
+        parts.append(f"{op.partials} partials")
+    if op.role:
+        parts.append(op.role)
+    return ", ".join(parts)
+
+
 def format_graph(graph, indent=""):
     lines = [f"{indent}graph {graph.name}("]
     for t in graph.inputs:
@@ -35,8 +54,8 @@ def format_graph(graph, indent=""):
         if op.kwargs:
             args += ", " + ", ".join(f"{k}={_arg(v)}" for k, v in op.kwargs.items())
         attrs = "".join(f", {k}={v!r}" for k, v in op.attrs.items())
-        where = ", host scalar" if op.host_scalar else ""      # passes/host_scalars.py
-        lines.append(f"{indent}  {outs} = {op.target}({args}{attrs})  # {op.cost_class}{where}")
+        what = op.cost_class + (", host scalar" if op.host_scalar else "")   # passes/host_scalars
+        lines.append(f"{indent}  {outs} = {op.target}({args}{attrs})  # {what}; {_placed(op)}")
         for sub in (op.subgraphs or {}).values():
             lines.append(format_graph(sub, indent + "    "))
     lines.append(f"{indent}  return {_arg(list(graph.outputs))}")
@@ -70,7 +89,10 @@ def format_program(program):
         elif isinstance(step, (RemoteLoad, RemoteStore)):
             verb = "load from" if isinstance(step, RemoteLoad) else "store to"
             names = ", ".join(step.names[:3]) + (", ..." if len(step.names) > 3 else "")
-            lines.append(f"{pad}{verb} Streaming Memory {step.nbytes} B per replica ({names})")
+            how = (" via IO tiles" if step.io_tiles else "") + (
+                f" (phased, {step.transfers} transfer(s))" if step.phased else "")
+            lines.append(f"{pad}{verb} Streaming Memory {step.nbytes} B per replica{how} "
+                         f"({names})")
     visit(program.main, 1)
     text = "\n".join(lines)
     for graph in program.graphs.values():

@@ -163,7 +163,7 @@ def op_cost(op, target, amp=0.6):
         # Inputs of the same size mapped elsewhere travel over the exchange.
         moved = 0.0
         for t in op.input_tensors():
-            m = getattr(t, "mapping", None)
+            m = t.mapping
             if m is not None and t.nbytes == outs[0].nbytes and \
                     (m.start, m.n_tiles) != (outs[0].mapping.start, outs[0].mapping.n_tiles):
                 moved += out_max
@@ -281,7 +281,7 @@ def _custom_cost(op, target, outs, out_bytes, cost):
     moved = 0.0
     home = (outs[0].mapping.start, outs[0].mapping.n_tiles)
     for t in ins:
-        m = getattr(t, "mapping", None)
+        m = t.mapping
         if m is not None and (m.start, m.n_tiles) != home:
             moved += min(float(m.max_bytes()), float(out_bytes.max()))
     cost.exchange = _exchange_cycles(moved, target)
@@ -491,7 +491,7 @@ def _serialized_matmul(op, serialization, target, amp, outs, item, cost):
 def _partials_item(op, item):
     """Bytes of one partial sum: fp16 operands accumulate in float32 (Poplar's
     default) unless ``Precision.setPartialsType(torch.half)`` marked the op."""
-    if op.attrs.get("partials") == "half":
+    if op.partials == "half":
         return 2
     return 4 if item == 2 else item
 

@@ -1,223 +1,36 @@
-"""The BSP engine: runs compiled programs, numerics through ATen.
+"""The engine: runs a call by walking ``Program.main``.
 
-Each IR graph becomes one Python function that calls the ATen overload of
-every op in order (the way ``torch.fx`` generates code), so a step costs no
-interpretation.  ``Engine.run_training`` and ``Engine.run_inference`` follow
-the program's structure: the device-iteration loop, the accumulation loop,
-one call per replica, the cross-replica reduction, the optimizer update, and
-the device-to-host streams that the output mode asks for.
+Each control step has one rule, as each has one cost rule in
+``program_cost.py``:
+
+=============== ============================================================
+step            what the engine does
+=============== ============================================================
+Repeat          runs its body ``count`` times, numbering the iterations of
+                its counter (``device_iteration`` picks the inputs' device
+                iteration, ``accumulation`` the micro-batch; the
+                accumulation loop starts a weight update's sums)
+Call            the model's graph once per replica on that micro-batch
+                (training: the gradients are added into the accumulators);
+                the optimizer update once (every replica holds the same
+                weights; with sharded state, once per replica on its shard)
+AllReduce       the accumulated gradients summed across host processes
+                (``distributed/``); within a process the replicas' gradients
+                were summed as they were accumulated
+ReduceScatter   the same, then the gradients of sharded state cut into one
+                shard per replica
+AllGather       after a sharded update: the replicas' shards put back
+                together; before a call (sharded weights): nothing, the host
+                holds whole weights
+RemoteLoad,     nothing: a variable holds the same values in Streaming
+RemoteStore     Memory as on the tiles
+HostToDevice,   nothing: the inputs are indexed by the loops' counters and the
+DeviceToHost    outputs kept as the output mode asks (``OutputCollector``)
+=============== ============================================================
+
+The graphs themselves run as generated Python (``codegen.compile_graph``).
 """
-import math
-from collections import Counter
-
 import torch
-
-from ..ir.graph import Tensor
-from .fp_checks import checked, make_check
-from .kernels import as_strided, kernel_for
-from .precision import host_kernel
-
-_SIMPLE = (int, float, bool, str, type(None))
-aten = torch.ops.aten
-
-
-_COMMUTATIVE = ("add", "mul")
-
-
-def _in_place(graph):
-    """{op index: (in-place kernel, argument it overwrites)}: element-wise ops
-    that may write their result into an operand's memory, as the IPU's
-    planner does, instead of allocating (on the host, fresh allocations of
-    large tensors cost page faults: the optimizer update of a ResNet ran 5x
-    slower than torch.optim's in-place update).
-
-    The operand must be read by this op alone, not be a graph output, match
-    the result's shape and dtype, and own its memory: made by an op that
-    neither views nor aliases its input, or (in a graph whose outputs
-    overwrite its inputs, the optimizer update) a weight, optimizer state or
-    gradient accumulator."""
-    uses = Counter(t.id for op in graph.ops for t in op.input_tensors())
-    outputs = {t.id for t in graph.outputs}
-    owned = {t.id for op in graph.ops
-             if op.cost_class != "view" and not op.inplace and not _aliases(op.target)
-             and not op.subgraphs        # a loop's or branch's result may be its input
-             for t in op.outputs if t is not None}
-    if getattr(graph, "outputs_overwrite_inputs", False):
-        owned |= {t.id for t in graph.inputs if t.role in ("param", "state", "accumulator")}
-    plan = {}
-    for k, op in enumerate(graph.ops):
-        if op.cost_class not in ("elementwise", "transcendental") or op.multi_output \
-                or op.inplace or not op.outputs or op.outputs[0] is None:
-            continue
-        name = op.target.overloadpacket.__name__
-        kernel = getattr(getattr(aten, name + "_", None), op.target._overloadname, None)
-        if kernel is None:
-            continue
-        out = op.outputs[0]
-        for pos in ((0, 1) if name in _COMMUTATIVE else (0,))[:len(op.args)]:
-            a = op.args[pos]
-            if isinstance(a, Tensor) and a.id in owned and uses[a.id] == 1 \
-                    and a.id not in outputs and a.shape == out.shape and a.dtype == out.dtype:
-                plan[k] = (kernel, pos)
-                break
-    return plan
-
-
-def _aliases(target):
-    schema = getattr(target, "_schema", None)
-    return bool(schema) and any(r.alias_info is not None for r in schema.returns)
-
-
-def run_loop(count, body, carried, read):
-    """A loop op: ``body`` (a compiled graph) ``count`` times over the carried
-    values; ``read``: the enclosing graph's tensors the body reads."""
-    for _ in range(count):
-        carried = body(carried + read)
-    return carried
-
-
-def run_cond(condition, then, orelse, then_reads, else_reads, taken):
-    """A conditional op: one branch (a compiled graph), chosen by the
-    one-element boolean tensor ``condition``; ``taken`` counts the choices
-    ([then, else])."""
-    if bool(condition):
-        taken[0] += 1
-        return then(then_reads)
-    taken[1] += 1
-    return orelse(else_reads)
-
-
-def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=None):
-    """A Python function ``f(list_of_inputs) -> list_of_outputs`` for ``graph``.
-
-    Its ``branches`` attribute maps each conditional op's name (in sub-graphs
-    too) to [times the then branch ran, times the else branch ran].
-    ``rounding`` (default: the graph's ``rounding`` attribute): a
-    ``precision.Rounding`` when fp16 results round stochastically.
-    ``watch`` (default: the graph's ``watch``): a ``precision.GradientWatch``
-    counting the values the ops marked ``watched`` lose to fp16.
-    ``fp_checks`` (default: the graph's ``floating_point_checks``): each
-    computing op's result is checked right after it runs and a
-    floating-point exception raised as the IPU would (``fp_checks.py``); the
-    ops then run out of place, so that an operand is still there to look at
-    and nothing the call was given is overwritten before the exception."""
-    branches = {} if branches is None else branches
-    if fp_checks is None:
-        fp_checks = bool(getattr(graph, "floating_point_checks", False))
-    rounding = rounding if rounding is not None else getattr(graph, "rounding", None)
-    watch = watch if watch is not None else getattr(graph, "watch", None)
-    glb = {}
-    names = {}
-    in_place = {} if fp_checks else _in_place(graph)
-
-    def name_of(t):
-        if t.id not in names:
-            names[t.id] = f"v{t.id}"
-            if t.role == "const":
-                glb[names[t.id]] = t.value
-        return names[t.id]
-
-    def const(value):
-        if isinstance(value, _SIMPLE) and not (isinstance(value, float) and not math.isfinite(value)):
-            return repr(value)
-        key = f"_c{len(glb)}"
-        glb[key] = value
-        return key
-
-    reads = set()
-
-    def render(x):
-        if isinstance(x, Tensor):
-            if x.role != "const":
-                reads.add(name_of(x))
-            return name_of(x)
-        if isinstance(x, list):
-            return "[" + ", ".join(render(y) for y in x) + "]"
-        if isinstance(x, tuple):
-            return "(" + "".join(render(y) + ", " for y in x) + ")"
-        return const(x)
-
-    lines = ["def run(inputs):"]
-    if graph.inputs:
-        lines.append("    " + "".join(name_of(t) + ", " for t in graph.inputs) + "= inputs")
-    views = {}        # (view op, its arguments) -> the name of its first result
-    body = []         # (line, names it reads, names it makes)
-    for k, op in enumerate(graph.ops):
-        fn = f"_op{k}"
-        reads = set()
-        kernel, op_args = op.target, list(op.args)
-        into = False
-        if k in in_place:
-            kernel, pos = in_place[k]
-            op_args[0], op_args[pos] = op_args[pos], op_args[0]
-            if rounding is not None:    # rounded out of place, written into the operand
-                kernel, into = op.target, True
-        args = [render(a) for a in op_args]
-        args += [f"{key}={render(v)}" for key, v in op.kwargs.items()]
-        if op.subgraphs:           # a loop or a conditional: its sub-graphs compiled
-            for name, sub in op.subgraphs.items():
-                glb[f"{fn}_{name}"] = compile_graph(sub, branches, rounding, watch,
-                                                     fp_checks)
-            if op.cost_class == "loop":
-                glb[fn] = run_loop
-                args = [repr(op.attrs["count"]), f"{fn}_body"] + args
-            else:
-                glb[fn] = run_cond
-                glb[f"{fn}_taken"] = branches.setdefault(op.name, [0, 0])
-                args = [args[0], f"{fn}_then", f"{fn}_else"] + args[1:] + [f"{fn}_taken"]
-        elif op.target in (aten.as_strided.default, aten.as_strided_.default):
-            glb[fn] = as_strided
-            args.append(f"traced={const(op.traced_layout)}")
-        else:
-            glb[fn] = host_kernel(op, kernel_for(kernel, op_args, op.kwargs), rounding, into)
-            if watch is not None and op.attrs.get("watched"):
-                glb[fn] = watch.wrap(op, glb[fn], kernel_for(op.target, list(op.args),
-                                                             op.kwargs))
-        call = f"{fn}({', '.join(args)})"
-        check = ""
-        if fp_checks and checked(op):
-            glb[f"{fn}_fp"] = make_check(op, graph.name)
-            operands = "".join(render(t) + ", " for t in op.input_tensors())
-            check = f"\n    {fn}_fp({{}}, ({operands}))"
-        if op.cost_class == "view" and not op.inplace and not op.multi_output:
-            # the same view of the same tensor twice (an RNN's weight
-            # transposed at every time step) is made once
-            if (op.target, call[len(fn):]) in views:
-                names[op.outputs[0].id] = views[op.target, call[len(fn):]]
-                continue
-            views[op.target, call[len(fn):]] = name_of(op.outputs[0])
-        if op.multi_output:
-            outs = "".join((name_of(t) if t is not None else "_") + ", " for t in op.outputs)
-            made = [name_of(t) for t in op.outputs if t is not None]
-            result = "(" + "".join(m + ", " for m in made) + ")"
-            body.append((f"    {outs}= {call}" + check.format(result), reads, made))
-        else:
-            made = [name_of(op.outputs[0])]
-            body.append((f"    {made[0]} = {call}" + check.format(made[0]), reads, made))
-    # each intermediate is released after its last use, as eager autograd
-    # frees activations during backward (holding them all until the return
-    # made large models page-fault on fresh memory at every step)
-    keep = {name_of(t) for t in graph.outputs} | {name_of(t) for t in graph.inputs}
-    last = {}
-    for i, (_, used, made) in enumerate(body):
-        for n in made + sorted(used):        # never read: released at once
-            last[n] = i
-    free = [[] for _ in body]
-    for n, i in last.items():
-        if n not in keep:
-            free[i].append(n)
-    for (line, _, _), dead in zip(body, free):
-        lines.append(line)
-        if dead:
-            lines.append("    del " + ", ".join(sorted(dead)))
-    lines.append("    return [" + ", ".join(name_of(t) for t in graph.outputs) + "]")
-    source = "\n".join(lines)
-    code = compile(source, f"<poptorchsim graph {graph.name}>", "exec")
-    exec(code, glb)  # noqa: S102 - our own generated code
-    run = glb["run"]
-    run.source = source
-    run.branches = branches
-    return run
 
 
 class OutputCollector:
@@ -309,8 +122,25 @@ class Accumulation:
         return [state.opt_state[i][0] + a if i in self.into else a for i, a in enumerate(acc)]
 
 
+class _Update:
+    """One weight update in progress: the gradient sums and what the
+    collectives and the update have done with them."""
+
+    def __init__(self, extra):
+        self.acc = None           # accumulated gradients, per trainable parameter
+        self.stats = None         # automatic loss scaling's gradient statistics
+        self.k = 0                # micro-batches accumulated
+        self.extra = extra        # the step's trailing inputs (the loss scaling)
+        self.reduced = set()      # parameters whose gradients are reduced across processes
+        self.stats_reduced = False
+        self.cut = {}             # parameter -> its gradient's shards (reduce-scatter)
+        self.gather = None        # a sharded update's results, until the all-gather
+
+
 class Engine:
-    """Device state and the loops that run a compiled program on it."""
+    """Device state, and the walk over a program's control steps that runs a
+    call on it.  ``step_fn`` runs the model's graph (the training step or the
+    inference forward), ``update_fn`` the optimizer update."""
 
     def __init__(self, step_fn, update_fn=None, shards=None, n_writes=0):
         self.step_fn = step_fn
@@ -329,71 +159,103 @@ class Engine:
         self.slot_counts = None
         self.accumulation = None    # an Accumulation; None: plain sums
 
-    def run_inference(self, params, buffers, inputs, collector, di, rf):
-        """``inputs``: tensors shaped [di, 1, rf, micro, ...]."""
-        n_buf = len(buffers[0])
+    def run(self, program, state, inputs, collector):
+        """One call of ``program`` on ``state`` (params, buffers per replica;
+        in training also opt_state, steps, hyper, grad_scale and, with
+        automatic loss scaling, ``loss_scale``: the step's last output is then
+        its gradient statistics and the update's last its new factor).
+        ``inputs``: tensors shaped [di, ga, rf, micro, ...].  Returns what
+        the collector kept."""
         self.written = []
-        with torch.no_grad():
-            for i in range(di):
-                for r in range(rf):
-                    outs = self.step_fn(params + buffers[r] + [x[i, 0, r] for x in inputs])
-                    n_out = len(outs) - n_buf
-                    buffers[r] = outs[n_out:]
-                    collector.add(i, 0, r, self._keep_writes(outs[:n_out]))
+        self._program, self._state, self._inputs, self._collector = (
+            program, state, inputs, collector)
+        self._counters = {}
+        self._update = None
+        try:
+            with torch.no_grad():
+                self._walk(program.main)
+        finally:
+            self._program = self._state = self._inputs = self._collector = None
         return collector.result()
 
-    def run_training(self, state, inputs, collector, di, ga, rf):
-        """One call: ``di`` weight updates, each over ``ga * rf`` micro-batches.
+    def _walk(self, step):
+        getattr(self, "_" + type(step).__name__)(step)
 
-        ``state`` holds lists: params (trainable first, then frozen), buffers
-        (one list per replica), opt_state, steps, hyper and grad_scale; with
-        automatic loss scaling, ``loss_scale`` (a ``precision.LossScale``):
-        the step's last output is then its gradient statistics, and the
-        update takes the loss-scale update's inputs last and gives the new
-        factor last.
-        """
-        n_train = state.n_trainable
+    # -- control -----------------------------------------------------------------
+    def _Sequence(self, step):
+        for s in step.steps:
+            self._walk(s)
+
+    def _Repeat(self, step):
+        if step.counter == "accumulation":
+            self._update = _Update(list(getattr(self._state, "step_extra", None) or []))
+        for k in range(step.count):
+            self._counters[step.counter] = k
+            self._walk(step.body)
+        if step.counter == "device_iteration" and self._update is not None \
+                and self._update.gather is not None:
+            raise RuntimeError("poptorchsim internal error: a sharded optimizer update "
+                               "without the all-gather after it")
+
+    def _HostToDevice(self, step):
+        pass
+
+    def _DeviceToHost(self, step):
+        pass
+
+    def _RemoteLoad(self, step):
+        pass
+
+    def _RemoteStore(self, step):
+        pass
+
+    # -- graph calls ----------------------------------------------------------------
+    def _Call(self, step):
+        if step.graph.name == "optimizer_update":
+            self._run_update_call()
+        elif self._program.kind == "training":
+            for r in range(step.replicas):
+                self._micro_batch(r)
+        else:
+            for r in range(step.replicas):
+                self._forward(r)
+
+    def _forward(self, r):
+        state, i = self._state, self._counters.get("device_iteration", 0)
         n_buf = len(state.buffers[0])
-        accumulation = self.accumulation
-        scale = getattr(state, "loss_scale", None)
-        apart = self.reduce is not None and accumulation is not None and accumulation.into
-        self.written = []
-        with torch.no_grad():
-            for i in range(di):
-                acc = stats = None
-                k = 0
-                # the loss scaling (automatic loss scaling changes it after an update)
-                extra = list(getattr(state, "step_extra", None) or [])
-                for g in range(ga):
-                    for r in range(rf):
-                        outs = self.step_fn(state.params + state.buffers[r]
-                                            + [x[i, g, r] for x in inputs] + extra)
-                        if scale is not None:       # the gradient statistics
-                            stats = outs[-1] if stats is None else stats + outs[-1]
-                            outs = outs[:-1]
-                        n_out = len(outs) - n_train - n_buf
-                        grads = outs[n_out:n_out + n_train]
-                        state.buffers[r] = outs[n_out + n_train:]
-                        collector.add(i, g, r, self._keep_writes(outs[:n_out]))
-                        # accumulate (and, across replicas, all-reduce)
-                        if accumulation is None:
-                            acc = grads if acc is None else [a + b for a, b in zip(acc, grads)]
-                        else:
-                            acc = accumulation.add(acc, grads, k, state, apart)
-                        k += 1
-                if self.reduce is not None:
-                    acc = self.reduce(acc)
-                    if apart:
-                        acc = accumulation.finish(acc, state)
-                    if stats is not None:
-                        stats = self.reduce([stats.double()])[0].round()
-                if stats is not None:
-                    scale.add(stats)
-                if self.shards:
-                    self._sharded_update(state, acc)
-                else:
-                    self._update(state, acc)
-        return collector.result()
+        outs = self.step_fn(state.params + state.buffers[r] + [x[i, 0, r] for x in self._inputs])
+        n_out = len(outs) - n_buf
+        state.buffers[r] = outs[n_out:]
+        self._collector.add(i, 0, r, self._keep_writes(outs[:n_out]))
+
+    def _micro_batch(self, r):
+        """One replica's training step on its micro-batch; the gradients are
+        added into the update's accumulators."""
+        state, u = self._state, self._update
+        i = self._counters.get("device_iteration", 0)
+        g = self._counters.get("accumulation", 0)
+        n_train, n_buf = state.n_trainable, len(state.buffers[0])
+        outs = self.step_fn(state.params + state.buffers[r]
+                            + [x[i, g, r] for x in self._inputs] + u.extra)
+        if getattr(state, "loss_scale", None) is not None:       # the gradient statistics
+            u.stats = outs[-1] if u.stats is None else u.stats + outs[-1]
+            outs = outs[:-1]
+        n_out = len(outs) - n_train - n_buf
+        grads = outs[n_out:n_out + n_train]
+        state.buffers[r] = outs[n_out + n_train:]
+        self._collector.add(i, g, r, self._keep_writes(outs[:n_out]))
+        if self.accumulation is None:
+            u.acc = grads if u.acc is None else [a + b for a, b in zip(u.acc, grads)]
+        else:
+            u.acc = self.accumulation.add(u.acc, grads, u.k, state, self._apart)
+        u.k += 1
+
+    @property
+    def _apart(self):
+        """SGD's combined variant across processes: the increments are summed
+        apart from the velocity, reduced, then added to it."""
+        return (self.reduce is not None and self.accumulation is not None
+                and bool(self.accumulation.into))
 
     def _keep_writes(self, outs):
         """The model's outputs; mutated inputs' new values go to ``written``."""
@@ -401,6 +263,67 @@ class Engine:
             return outs
         self.written.append(outs[len(outs) - self.n_writes:])
         return outs[:len(outs) - self.n_writes]
+
+    # -- collectives -------------------------------------------------------------------
+    def _reduce(self, indices):
+        """The gradients of ``indices`` (not yet reduced) summed across host
+        processes; the gradient statistics with the first of them."""
+        u = self._update
+        if self.reduce is None or u is None or u.acc is None:
+            return
+        todo = [i for i in indices if i not in u.reduced]
+        if todo:
+            if len(todo) == len(u.acc):
+                u.acc = self.reduce(u.acc)
+            else:
+                summed = self.reduce([u.acc[i] for i in todo])
+                for i, t in zip(todo, summed):
+                    u.acc[i] = t
+            u.reduced.update(todo)
+            if self._apart and len(u.reduced) == len(u.acc):
+                u.acc = self.accumulation.finish(u.acc, self._state)
+        if u.stats is not None and not u.stats_reduced:
+            u.stats = self.reduce([u.stats.double()])[0].round()
+            u.stats_reduced = True
+
+    def _AllReduce(self, step):
+        u = self._update
+        if u is not None and u.acc is not None:
+            self._reduce([i for i in range(len(u.acc)) if i not in self.shards])
+
+    def _ReduceScatter(self, step):
+        u = self._update
+        if u is None or u.acc is None:
+            return
+        self._reduce(range(len(u.acc)))
+        n = max(self.shards.values(), default=1)
+        u.cut = {i: shard(u.acc[i], n) for i in self.shards}
+
+    def _AllGather(self, step):
+        u = self._update
+        if u is None or u.gather is None:
+            return          # sharded weights: the host holds them whole
+        state, (params, new_state, runs) = self._state, u.gather
+        for i in self.shards:
+            params[i] = unshard([run[0][i] for run in runs], state.params[i].shape)
+            new_state[i] = [[run[1][i][k] for run in runs] for k in range(len(new_state[i]))]
+        n_train = state.n_trainable
+        state.params[:n_train], state.opt_state = params, new_state
+        u.gather = None
+
+    # -- the optimizer update ----------------------------------------------------------
+    def _run_update_call(self):
+        state, u = self._state, self._update
+        self._reduce(range(len(u.acc)))       # nothing left when the program reduced them
+        if u.stats is not None:
+            state.loss_scale.add(u.stats)
+        if self.shards:
+            self._sharded_update(state, u)
+        else:
+            n_train = state.n_trainable
+            state.params[:n_train], state.opt_state, state.steps, factor = self._run_update(
+                state, state.params[:n_train], u.acc, state.opt_state)
+            self._scale_updated(state, factor)
 
     def _run_update(self, state, params, grads, opt_state, steps=None):
         """One call of the update graph: (params, opt_state, steps) after it,
@@ -422,29 +345,23 @@ class Engine:
             at += n_out
         return new[:n_train], new_state, new[at:], factor
 
-    def _update(self, state, acc):
-        n_train = state.n_trainable
-        state.params[:n_train], state.opt_state, state.steps, factor = self._run_update(
-            state, state.params[:n_train], acc, state.opt_state)
-        self._scale_updated(state, factor)
-
     @staticmethod
     def _scale_updated(state, factor):
         """After a weight update: the loss-scale update's factor takes effect."""
         if factor is not None:
             state.loss_scale.apply(state, factor)
 
-    def _sharded_update(self, state, acc):
-        """Replicated tensor sharding of the optimizer state: the summed
-        gradient is cut into shards (the reduce-scatter), every replica
-        updates its shard of the weight and state, and the new weight is put
-        back together (the all-gather).  Unsharded parameters are updated
-        whole by every replica; replica 0's result is kept."""
+    def _sharded_update(self, state, u):
+        """Replicated tensor sharding of the optimizer state: every replica
+        updates its shard of the weight and state (the gradients were cut by
+        the reduce-scatter); the all-gather then puts the new weight back
+        together.  Unsharded parameters are updated whole by every replica;
+        replica 0's result is kept."""
         n_train = state.n_trainable
-        params = state.params[:n_train]
+        params, acc = state.params[:n_train], u.acc
         n = max(self.shards.values())
         cut_p = {i: shard(params[i], n) for i in self.shards}
-        cut_g = {i: shard(acc[i], n) for i in self.shards}
+        cut_g = u.cut or {i: shard(acc[i], n) for i in self.shards}
         # the update writes its variables in place: replicas after the first
         # update copies of the unsharded ones, taken before any replica runs
         calls = []
@@ -458,8 +375,6 @@ class Engine:
                 [own(step) for step in state.steps]))
         runs = [self._run_update(state, *call) for call in calls]
         new_params, new_state, new_steps, factor = runs[0]
-        for i in self.shards:
-            new_params[i] = unshard([run[0][i] for run in runs], params[i].shape)
-            new_state[i] = [[run[1][i][k] for run in runs] for k in range(len(new_state[i]))]
-        state.params[:n_train], state.opt_state, state.steps = new_params, new_state, new_steps
+        state.steps = new_steps
+        u.gather = (new_params, new_state, runs)
         self._scale_updated(state, factor)

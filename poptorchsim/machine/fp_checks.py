@@ -66,7 +66,7 @@ def _name(op):
 def checked(op):
     """Does the engine check ``op``'s results when the option is on?"""
     if op.subgraphs or op.cost_class in _UNCHECKED and _name(op) not in _CASTS \
-            or getattr(op, "host_scalar", False):     # the host's arithmetic
+            or op.host_scalar:     # the host's arithmetic
         return False
     if _name(op) in _COMPARISONS:
         return True
@@ -112,7 +112,7 @@ def make_check(op, graph_name):
     def fail(code, detail):
         raise FloatingPointException(
             _message(op, graph_name, code, detail), error_code=code, op=op.name,
-            location=getattr(op, "source", "") or "")
+            location=op.source)
 
     def check(result, operands):
         if comparison:
@@ -137,7 +137,7 @@ def make_check(op, graph_name):
 
 
 def _message(op, graph_name, code, detail):
-    where = getattr(op, "source", "") or ""
+    where = op.source
     text = (f"Floating point exception on the IPU ({code}): operation '{op.name}' "
             f"({op.target}) in {_PLACES.get(graph_name, graph_name)}"
             f"{' (backward pass)' if op.backward else ''} performed {_DESCRIPTION[code]}")

@@ -202,16 +202,16 @@ def half_partials_kernel(target):
 
 def uses_half_partials(op):
     """Does ``op`` (an IR op) run with fp16 partials?"""
-    return op.attrs.get("partials") == "half"
+    return op.partials == "half"
 
 
 def mark_partials(graph, partials):
     """Marks the matmuls and convolutions of ``graph`` (and its sub-graphs)
-    whose operands are fp16 with ``attrs["partials"] = partials``."""
+    whose operands are fp16 with ``partials`` (``Op.partials``)."""
     for op in graph.ops:
         if op.cost_class in ("matmul", "conv") and any(
                 t.dtype == HALF for t in op.input_tensors()):
-            op.attrs["partials"] = partials
+            op.partials = partials
         for sub in (op.subgraphs or {}).values():
             mark_partials(sub, partials)
 
@@ -242,7 +242,7 @@ def rounds_stochastically(op):
 
 class GradientWatch:
     """Counts, over one call, the fp16 gradient values the backward pass
-    lost (ops marked ``attrs["watched"]``: every backward op with an fp16
+    lost (ops marked ``Op.watched``: every backward op with an fp16
     result, casts included): *underflowed*, zero in fp16 but not when the
     op is computed in fp32 from the same operands; *overflowed*, infinite
     in fp16 but finite in fp32; and *non-finite*, infinite or NaN in fp16.

@@ -158,18 +158,18 @@ def tracked_gradients(graph, method=1):
 def mark_watched(graph):
     """Marks every op of the backward pass computing an fp16 result (casts
     included, views and in-place writes left out) with
-    ``attrs["watched"]``: the engine's gradient watch counts the values
+    ``Op.watched``: the engine's gradient watch counts the values
     each one loses to underflow and overflow."""
     for op in graph.ops:
         if op.backward and _fp16_outputs(op) and not op.inplace \
                 and op.cost_class not in ("view", "host"):
-            op.attrs["watched"] = True
+            op.watched = True
 
 
 def _new_op(graph, name, target, args, out, at, like, kwargs=None):
     op = Op(0, name, target, args, kwargs or {}, [out], cost_class(target), block=like.block,
             stage=like.stage,
-            ipu=like.ipu, backward=True, attrs={"role": "loss scaling histogram"})
+            ipu=like.ipu, backward=True, role="loss scaling histogram")
     out.producer = op
     graph.ops.insert(at, op)
     return op
@@ -227,7 +227,7 @@ def add_loss_scale_update(graph, s, clip):
     op = Op(len(graph.ops), "lossScaleUpdate", UPDATE,
             (factor, stats, scale, counter, s.threshold_upper_count_proportion,
              s.update_period, bool(clip)), {}, [new], cost_class(UPDATE),
-            attrs={"role": "loss scale update"})
+            role="loss scale update")
     new.producer = op
     graph.ops.append(op)
     graph.outputs.append(new)

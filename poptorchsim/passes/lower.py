@@ -366,7 +366,7 @@ _CASTS = ("_to_copy", "convert_element_type", "clone")
 
 
 def mark_role(graph, input_name, role):
-    """``op.attrs["role"] = role`` for the ops of ``graph`` that read its
+    """``op.role = role`` for the ops of ``graph`` that read its
     input ``input_name``, directly or through casts and views (the loss
     scaling's multiplications, the gradients' unscaling), so that reports
     can name them.  A role already set is kept.  Returns ``graph``."""
@@ -374,7 +374,7 @@ def mark_role(graph, input_name, role):
     for op in graph.ops:
         if not carriers.intersection(t.id for t in op.input_tensors()):
             continue
-        op.attrs.setdefault("role", role)
+        op.role = op.role or role
         packet = getattr(op.target, "overloadpacket", None)
         if op.cost_class == "view" or getattr(packet, "__name__", "") in _CASTS:
             carriers.update(t.id for t in op.outputs if t is not None)

@@ -170,7 +170,7 @@ def _live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True):
     if n_ops == 0:
         return np.zeros((0, tiles)), np.zeros((0, 0), dtype=bool), []
     find = _buffers(graph)
-    overwrite = getattr(graph, "outputs_overwrite_inputs", False)
+    overwrite = graph.outputs_overwrite_inputs
     skip = {t.id for t in graph.outputs} if overwrite else set()
     first, last, buffers = {}, {}, {}
     for k, op in enumerate(graph.ops):
@@ -200,7 +200,7 @@ def _live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True):
         last[i] = max(last[i], k)
     # Pipelined training keeps ("stashes") a stage's activations that its
     # backward reads for every micro-batch in flight: 2(N-1-s)+1 of them.
-    stash = getattr(graph, "stash_depth", None)
+    stash = graph.stash_depth
     scale = np.ones(len(ids))
     if stash:
         producer_stage = {}
@@ -288,7 +288,7 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None):
     """
     tiles = target.tiles
     locations = locations or {}
-    phased = getattr(program, "phase_of_stage", None) if getattr(program, "phased", "") else None
+    phased = program.phase_of_stage if program.phased else None
     var_phase = variable_phases(program) if phased else {}
     by_tensor, saved, loaded, streaming = {}, {}, {}, 0
     for name, t in variables.items():
@@ -340,11 +340,11 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None):
                     temps += nbytes
                 else:
                     temps[op_phase == phase] += nbytes
-        offload = phased and getattr(program, "activations_off_chip", False)
+        offload = phased and program.activations_off_chip
         usage, live, buffers = _live_usage(graph, tiles, temps, ipu,
                                            op_phase if offload else None)
         graphs[graph.name] = (usage, live, buffers)
-        rec = getattr(graph, "recompute", None)
+        rec = graph.recompute
         if rec is not None and rec.mode:
             recomputation = rec.name
             recomputed_ops += [op.name for op in graph.ops if op in rec.ops]

@@ -24,7 +24,7 @@ RecomputeAll   4   every forward op is recomputed, except checkpoints and
 =============  ==  =====================================================
 
 ``plan(graph, mode, pipelined)`` marks the recomputed ops
-(``op.attrs["recompute"]``) and leaves a ``Recomputation`` on the graph;
+(``Op.recompute``) and leaves a ``Recomputation`` on the graph;
 ``gaps`` tells the memory planner when each recomputed buffer is dead.
 A recomputed op runs once more before the backward of its segment (the
 consecutive recomputed forward ops between two kept ones): its results
@@ -75,7 +75,7 @@ def plan(graph, mode, pipelined=False):
     sets ``graph.recompute``; returns the ``Recomputation``."""
     ops = graph.ops
     for op in ops:
-        op.attrs.pop("recompute", None)
+        op.recompute = False
     checkpoints = {k for k, op in enumerate(ops)
                    if op.attrs.get("recomputation_checkpoint") and not op.backward}
     result = Recomputation(mode, checkpoints=len(checkpoints))
@@ -115,7 +115,7 @@ def plan(graph, mode, pipelined=False):
                 n += 1
             previous = op.stage
             segment[op] = n
-            op.attrs["recompute"] = True
+            op.recompute = True
         elif op.cost_class != "view" and k in to_loss:
             previous = None          # a kept op ends the segment
     result.ops, result.segment = frozenset(ops[k] for k in chosen), segment
@@ -251,7 +251,7 @@ def gaps(graph, find, ids):
     is not kept between forward and backward (nor stashed).  ``extend``:
     buffer id -> the latest recompute point at which a recomputed op reads
     it (a checkpoint must live until then)."""
-    rec = getattr(graph, "recompute", None)
+    rec = graph.recompute if graph is not None else None
     n_ids = len(ids)
     lo = np.full(n_ids, -1, dtype=np.int64)
     hi = np.full(n_ids, -1, dtype=np.int64)

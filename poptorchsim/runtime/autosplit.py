@@ -15,6 +15,7 @@ import torch
 from ..capture import blocks as _blocks
 from ..machine.targets import default_target
 from . import compiler
+from .config import CompileConfig
 
 
 class _OneStagePerBlock:
@@ -170,15 +171,13 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
     level = log.level
     log.setLevel(logging.ERROR)       # the whole model need not fit one IPU here
     try:
+        config = CompileConfig(training, target=target, show_progress=False, allow_oom=True,
+                               strategy=_OneStagePerBlock())
         if training:
             optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.01)
-            compiled = compiler.compile_training(
-                model, optimizer, example_inputs, {}, di=1, ga=1, rf=1, target=target,
-                show_progress=False, allow_oom=True, strategy=_OneStagePerBlock())
+            compiled = compiler.compile_training(model, optimizer, example_inputs, {}, config)
         else:
-            compiled = compiler.compile_inference(
-                model, example_inputs, {}, di=1, rf=1, target=target, show_progress=False,
-                allow_oom=True, strategy=_OneStagePerBlock())
+            compiled = compiler.compile_inference(model, example_inputs, {}, config)
     finally:
         log.setLevel(level)
         for h in handles:

@@ -5,7 +5,7 @@ or ``POPTORCH_CACHE_DIR``.  poptorchsim caches its ``compiler.Compiled``: the
 lowered, placed and planned IR program with its costs, memory report and
 cycle estimate.  The engine's step and update functions are generated Python
 code, so they are not stored: they are generated again from the stored IR
-graphs (``machine.engine.compile_graph``, milliseconds).  The traced fx
+graphs (``machine.codegen.compile_graph``, milliseconds).  The traced fx
 graph is not stored either; nothing reads it once the program is lowered.
 
 The key is computed without tracing, because tracing is most of the work a
@@ -47,7 +47,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..ir.graph import all_ops
-from ..machine.engine import compile_graph
+from ..machine.codegen import compile_graph
 from ..version import __version__
 
 logger = logging.getLogger("poptorchsim")
@@ -299,18 +299,16 @@ def executable_key(model, optimizer, training, inputs, settings):
     return Key(tuple((n, hashlib.sha256(t.encode()).hexdigest()) for n, t in texts.items()))
 
 
-# the compiler's keyword arguments that do not shape the program
-_NOT_IN_KEY = ("show_progress", "out_bytes_fn")
-
-
 def key_for_compiler(training, args, kwargs, extra):
     """The key of ``compiler.compile_training(model, optimizer, args, kwargs,
-    **kwargs)`` or ``compile_inference(model, args, kwargs, **kwargs)``: every
-    keyword argument is covered, so a new compiler setting is in the key at
-    once.  ``extra``: what shapes the program through ``out_bytes_fn``."""
+    config)`` or ``compile_inference(model, args, kwargs, config)``: every
+    field of the ``CompileConfig`` that shapes the program is covered, so a
+    new compiler setting is in the key at once.  ``extra``: what else shapes
+    it (module name scopes)."""
     model, optimizer = args[0], (args[1] if training else None)
-    settings = {k: v for k, v in kwargs.items() if k not in _NOT_IN_KEY}
-    return executable_key(model, optimizer, training, tuple(args[-2:]),
+    config = args[-1]           # a runtime.config.CompileConfig: what shapes the program
+    settings = config.key()
+    return executable_key(model, optimizer, training, tuple(args[-3:-1]),
                           {**settings, **extra})
 
 

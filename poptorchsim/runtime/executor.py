@@ -18,14 +18,13 @@ from ..capture import optimizers as opt_rules
 from ..capture.scopes import module_name_scopes
 from ..errors import Error, FloatingPointException
 from ..machine.engine import Accumulation, Engine, OutputCollector
-from ..machine.targets import default_target
 from . import cache, compiler, export, observe
-from .engine_options import allow_out_of_memory, profiling_directory
+from .config import CompileConfig, output_mode
+from .engine_options import profiling_directory
 from .inputs import ModelInputs
 from .perf import call_timeline, latency
-from .popart_options import recomputation_type
-from .precision import (GradientMonitor, auto_loss_scaling, keep_running_statistics_float,
-                        settings as precision_settings)
+from .precision import GradientMonitor, keep_running_statistics_float
+from .update import check_loss_scaling, update_plan
 from .weights import DeviceWeights
 
 logger = logging.getLogger("poptorchsim")
@@ -53,16 +52,6 @@ def _input_independent_outputs(compiled):
     return {k for k, t in enumerate(graph.outputs[:n]) if t.id not in dependent}
 
 
-def _proportions(options):
-    """setAvailableMemoryProportion as the compiler takes it: one value, or
-    {IPU index: value} when the IPUs were given different ones."""
-    given = {int(k[3:]): v for k, v in options.available_memory_proportion.items()
-             if k.startswith("IPU") and k[3:].isdigit()}
-    if len(set(given.values())) > 1:
-        return given
-    return given.get(0, 0.6)
-
-
 class PoplarExecutor:
     """A model wrapped for the simulated IPU (PopTorch's ``PoplarExecutor``)."""
 
@@ -79,16 +68,9 @@ class PoplarExecutor:
         self._perf = None
         self._sim_clock = 0.0
         self._inputs = ModelInputs(model)
-        self._target = default_target(options._values.get("ipu_model_version"))
-        mode = enums.OutputMode(options.output_mode)
-        if mode == enums.OutputMode.Default:
-            mode = enums.OutputMode.Final if training else enums.OutputMode.All
-            # the model's own copy says which mode it runs with, as PopTorch's
-            # does (model.options.output_mode); the user's Options keep Default
-            options._values["output_mode"] = mode.value
-        self._output_mode = mode
+        self._output_mode = output_mode(options, training)
         log_repeats.apply(options)       # Options.maxRepeatLogs
-        self._observe = observe.Observation(options, mode)    # anchors, cycle count
+        self._observe = observe.Observation(options, self._output_mode)    # anchors, cycles
         self._gradients = GradientMonitor()     # fp16 gradients, automatic loss scaling
         self._opt_settings = None       # the optimizer as the compiled update has it
         self._attribute_tracker = opt_rules.AttributeTracker(options.relax_optimizer_checks)
@@ -155,33 +137,16 @@ class PoplarExecutor:
             torch.Tensor, lambda t: t[: (t.shape[0] // factor)].contiguous() if t.dim() else t,
             (args, kwargs))
         o = self._options
-        amp = _proportions(o)
-        allow_oom = allow_out_of_memory(o)
-        show = o.show_compilation_progress_bar
-        out_bytes = self._output_bytes_fn(di, ga, rf)
-        synthetic = bool(o._values.get("synthetic_data", False))
-        strategy = getattr(o, "execution_strategy", None)
-        precision = precision_settings(o)
-        recomputation = recomputation_type(o)       # checked in inference too, as PopTorch does
-        if precision["running_statistics_always_float"]:
+        config = CompileConfig.from_options(o, self._training)
+        if config.precision["running_statistics_always_float"]:
             keep_running_statistics_float(self._user_model)
         if self._training:
-            compiled = self._through_cache(source, compiler.compile_training,
-                self._user_model, self._optimizer, micro[0], micro[1], di=di, ga=ga, rf=rf,
-                target=self._target, amp=amp, show_progress=show, allow_oom=allow_oom,
-                out_bytes_fn=out_bytes, synthetic=synthetic, strategy=strategy,
-                auto_round=o.auto_round_num_ipus, locations=o.TensorLocations.settings(),
-                processes=o.Distributed.numProcesses, io_tiles=o.TensorLocations.num_io_tiles,
-                precision=precision, recomputation=recomputation, sync_pattern=o.sync_pattern,
-                **self._update_options())
+            compiled = self._through_cache(source, compiler.compile_training, self._user_model,
+                                           self._optimizer, micro[0], micro[1], config)
         else:
             compiled = self._through_cache(source, compiler.compile_inference,
-                self._user_model, micro[0], micro[1], di=di, rf=rf, target=self._target,
-                amp=amp, show_progress=show, allow_oom=allow_oom, out_bytes_fn=out_bytes,
-                synthetic=synthetic, strategy=strategy, auto_round=o.auto_round_num_ipus,
-                locations=o.TensorLocations.settings(), processes=o.Distributed.numProcesses,
-                io_tiles=o.TensorLocations.num_io_tiles, precision=precision,
-                sync_pattern=o.sync_pattern)
+                                           self._user_model, micro[0], micro[1], config)
+        self._config = config
         if self._training and rf > 1 and o.broadcast_buffers:
             step = compiled.program.graphs["training_step"]
             names = compiled.capture.buffer_names
@@ -190,7 +155,7 @@ class PoplarExecutor:
                           for m, mod in self._user_model.named_modules()
                           if isinstance(mod, torch.nn.modules.batchnorm._NormBase)
                           for b, _ in mod.named_buffers(recurse=False)}
-            end = len(step.outputs) - getattr(step, "statistics_outputs", 0)
+            end = len(step.outputs) - step.statistics_outputs
             outs = step.outputs[end - len(names):end] if names else []
             if any(t.id not in inputs and n not in norm_stats for n, t in zip(names, outs)):
                 raise Error(
@@ -199,8 +164,7 @@ class PoplarExecutor:
                     "disable buffer broadcasting using "
                     "poptorch.Options.broadcastBuffers(False).")
         self._constant_outputs = _input_independent_outputs(compiled)
-        self._fp_checks = bool(getattr(next(iter(compiled.program.graphs.values())),
-                                       "floating_point_checks", False))
+        self._fp_checks = compiled.program.graphs[compiled.program.model_graph].floating_point_checks
         self._compiled = compiled
         directory = profiling_directory(o)
         if directory is not None:
@@ -213,8 +177,8 @@ class PoplarExecutor:
         self._engine = Engine(compiled.step_fn, compiled.update_fn, self._shard_index(),
                               n_writes=len(step.input_writes))
         if self._training:
-            self._opt_settings, _ = compiler.update_plan(self._optimizer, ga,
-                                                         **self._update_options())
+            self._opt_settings, _ = update_plan(self._optimizer, ga, config.running_mean,
+                                                config.auto_loss_scaling)
             self._configure_update()
         self._observe.attach(compiled, self._engine)
         group = self._weights.group = self._process_group()   # training in several processes
@@ -241,27 +205,11 @@ class PoplarExecutor:
         return {i: c.shards[n] for i, n in enumerate(c.capture.trainable_names)
                 if n in c.shards}
 
-    def _output_bytes_fn(self, di, ga, rf):
-        """Bytes one call streams back to the host, as the output mode asks."""
-        mode, period = self._output_mode, self._options.output_return_period
-        copies = {enums.OutputMode.All: di * ga * rf,
-                  enums.OutputMode.EveryN: (di // period) * ga * rf}.get(mode, rf)
-
-        def out_bytes(capture):
-            node = next(n for n in capture.graph.graph.nodes if n.op == "output")
-            leaves = pytree.tree_leaves(node.args[0])[:capture.n_tensor_outputs]
-            per_micro = sum(v.meta["val"].numel() * v.meta["val"].element_size()
-                            for v in leaves if hasattr(v, "meta") and "val" in v.meta)
-            return per_micro * copies
-        return out_bytes
-
     def _through_cache(self, source, compile_fn, *args, **kwargs):
         """``compile_fn(*args, **kwargs)``, or the executable cache's program for
         them (``cache.py``); ``source``: where ``loadExecutable`` takes it from."""
         namescopes = vars(self._options).get("_module_namescope_enabled", True)   # IR op names
-        extra = {"output_mode": self._output_mode,
-                 "output_return_period": self._options.output_return_period,
-                 **({} if namescopes else {"module_namescope": False})}
+        extra = {} if namescopes else {"module_namescope": False}
         self._executable_key = cache.key_for_compiler(self._training, args, kwargs, extra)
         obtain = source or functools.partial(cache.compile_cached,
                                              cache.cache_directory(self._options))
@@ -353,14 +301,6 @@ class PoplarExecutor:
             self._keep_optimizer_state(self._optimizer)
 
     # -- the optimizer ---------------------------------------------------------------------
-    def _update_options(self):
-        """What of the options shapes the optimizer update."""
-        t = self._options.Training
-        running = (t.accumulation_and_replication_reduction_type == enums.ReductionType.Mean
-                   and t.meanAccumulationAndReplicationReductionStrategy
-                   == enums.MeanReductionStrategy.Running)
-        return {"running_mean": running, "auto_loss_scaling": auto_loss_scaling(self._options)}
-
     def _adopt_optimizer(self, optimizer):
         """``optimizer`` becomes the model's: its ``state_dict()`` reads the
         device state from now on, and, before compiling, a float16 gradient
@@ -451,11 +391,11 @@ class PoplarExecutor:
             self._optimizer = optimizer
             return
         c = self._compiled
-        settings, plan = compiler.update_plan(optimizer, c.program.accumulation,
-                                              **self._update_options())
+        settings, plan = update_plan(optimizer, c.program.accumulation,
+                                     self._config.running_mean, self._config.auto_loss_scaling)
         opt_rules.check_same_type(self._opt_settings.type, settings.type)
         opt_rules.check_replacement(self._opt_settings, settings, self._group_tensor_names())
-        compiler.check_loss_scaling(c, plan)
+        check_loss_scaling(c, plan)
         self._adopt_optimizer(optimizer)
         new_object = optimizer is not self._optimizer
         if new_object:
@@ -466,10 +406,7 @@ class PoplarExecutor:
         self._optimizer = optimizer
         self._opt_settings = settings
         if plan != c.plan:
-            o = self._options
-            compiler.rebuild_update(c, self._user_model, optimizer,
-                                    amp=_proportions(o),
-                                    allow_oom=allow_out_of_memory(o), **self._update_options())
+            compiler.rebuild_update(c, self._user_model, optimizer, self._config)
             self._configure_update()
             self._observe.attach(c, self._engine)   # anchors read the new update
             self._load_optimizer_state()
@@ -581,8 +518,8 @@ class PoplarExecutor:
         return report
 
     def _model_name(self):
-        return self._options._values.get("model_name",
-                                         "training" if self._training else "inference")
+        return getattr(self._options, "model_name",
+                       "training" if self._training else "inference")
 
     def _record_perf(self, n_inputs, di, ga, rf):
         c = self._compiled
@@ -657,10 +594,7 @@ class PoplarExecutor:
         try:
             if self._training:
                 self._gradients.start(self._compiled, self._state)
-                result = self._engine.run_training(self._state, inputs, collector, di, ga, rf)
-            else:
-                result = self._engine.run_inference(self._state.params, self._state.buffers,
-                                                    inputs, collector, di, rf)
+            result = self._engine.run(self._compiled.program, self._state, inputs, collector)
         except FloatingPointException:
             if before is not None:
                 self._state.restore(before)

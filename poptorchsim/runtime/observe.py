@@ -20,7 +20,8 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import enums
 from ..errors import Error
-from ..machine.engine import OutputCollector, compile_graph
+from ..machine.codegen import compile_graph
+from ..machine.engine import OutputCollector
 
 logger = logging.getLogger("poptorchsim")
 
@@ -79,7 +80,7 @@ def _gradient_tensor(compiled, name):
     """The step graph's output holding the gradient of parameter ``name``."""
     step = step_graph(compiled)
     trainable = compiled.capture.trainable_names
-    first = (len(step.outputs) - getattr(step, "statistics_outputs", 0)
+    first = (len(step.outputs) - step.statistics_outputs
              - len(compiled.capture.buffer_names) - len(trainable))
     return step.outputs[first + trainable.index(name)]
 

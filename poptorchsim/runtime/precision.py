@@ -6,8 +6,10 @@ import logging
 import torch
 
 from ..capture.mixed_precision import batch_norm_float_statistics
-from ..machine.precision import Rounding, mark_partials
-from ..passes.loss_scaling import settings as loss_scaling_settings
+from ..errors import Error
+from ..machine.precision import GradientWatch, Rounding, mark_partials
+from ..passes.loss_scaling import (add_gradient_statistics, add_loss_scale_update,
+                                   mark_watched, settings as loss_scaling_settings)
 
 logger = logging.getLogger("poptorchsim")
 
@@ -19,7 +21,7 @@ def settings(options):
             "floating_point_exceptions": bool(p.enable_floating_point_exceptions),
             "partials": p.partials_type,
             "running_statistics_always_float": bool(p.running_statistics_always_float),
-            "seed": options._values.get("random_seed"),
+            "seed": getattr(options, "random_seed", None),
             "process_id": int(options.Distributed.processId)}
 
 
@@ -128,14 +130,14 @@ class GradientMonitor:
         self.warned = set()
 
     def start(self, compiled, state):
-        watch = getattr(compiled, "watch", None)
+        watch = compiled.watch
         if watch is not None:
             watch.reset()
         if getattr(state, "loss_scale", None) is not None:
             state.loss_scale.history = []
 
     def finish(self, compiled):
-        watch = getattr(compiled, "watch", None)
+        watch = compiled.watch
         if watch is None or not watch.nonzero:
             return
         under = watch.worst_lost_share
@@ -164,7 +166,34 @@ class GradientMonitor:
                 "updates": int(scale.counter), "bin_edge": als.edge,
                 "threshold_upper_count_proportion": als.threshold_upper_count_proportion,
                 "update_period": als.update_period}
-        watch = getattr(compiled, "watch", None)
+        watch = compiled.watch
         if watch is not None:
             out["gradients"] = watch.summary()
         return out
+
+
+def watch_gradients(program, model, als):
+    """Marks the backward ops of the training step with fp16 results and
+    gives it a ``GradientWatch`` (None when it has none); with automatic
+    loss scaling (``als``, its ``Settings``), adds PopART's histogram ops to
+    the step and the loss-scale update to the optimizer update."""
+    step, update = program.graphs["training_step"], program.graphs["optimizer_update"]
+    if als:
+        if program.pipelined and program.accumulation == 1:
+            raise Error("[AutomaticLossScale transform] Automatic loss scaling is not "
+                        "currently supported when the 'enablePipelining' SessionOption is set "
+                        "to 'true', but the 'enableGradientAccumulation' SessionOption is set "
+                        "to 'false'")
+        add_gradient_statistics(step, als)
+        add_scale_update(update, model, als)
+    mark_watched(step)
+    watched = any(op.watched for op in step.ops)
+    step.watch = GradientWatch() if watched else None
+    return step.watch
+
+
+def add_scale_update(update, model, als):
+    """Automatic loss scaling's loss-scale update, added to the optimizer
+    update (fp16 gradients are clipped when the model has fp16 weights)."""
+    clip = any(p.dtype == torch.float16 for p in model.parameters() if p.requires_grad)
+    add_loss_scale_update(update, als, clip)

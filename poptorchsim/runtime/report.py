@@ -23,7 +23,7 @@ def rounding(op, graph):
     fp16 result while ``enableStochasticRounding(True)``), else "nearest"."""
     if uses_half_partials(op):
         return "half partials"
-    if getattr(graph, "rounding", None) is not None and rounds_stochastically(op) and \
+    if graph.rounding is not None and rounds_stochastically(op) and \
             any(t is not None and t.dtype == HALF for t in op.outputs):
         return "stochastic"
     return "nearest"
@@ -43,7 +43,7 @@ def build_report(compiled, name, samples_per_call):
                 "class": op.cost_class, "shape": list(out.shape) if out is not None else [],
                 "dtype": dtype_name(out.dtype) if out is not None else "",
                 "rounding": rounding(op, graph),
-                "role": op.attrs.get("role") or ("host scalar" if op.host_scalar else ""),
+                "role": op.role or ("host scalar" if op.host_scalar else ""),
                 "compute": cost.compute, "exchange": cost.exchange, "sync": cost.sync,
                 "host": cost.host,
                 "cycles": cost.total, "calls_per_call": times,
@@ -92,7 +92,7 @@ def build_report(compiled, name, samples_per_call):
         },
         "ops": ops,
         "liveness": liveness,
-        "pipeline": _pipeline(program, target),
+        "pipeline": _pipeline(program, compiled.schedule, target),
         "ipus": [{"ipu": r.ipu, "peak_tile": int(np.argmax(r.total)),
                   "peak_bytes": int(r.total.max()), "fits": bool(r.total.max() <= r.capacity),
                   "total": r.total.tolist()}
@@ -134,9 +134,8 @@ def _locations(program, memory):
             "streaming_bytes_per_replica": int(memory.streaming_bytes)}
 
 
-def _pipeline(program, target):
+def _pipeline(program, sched, target):
     """Stages, IPUs and the timeline of one weight update (cycles -> µs)."""
-    sched = program.schedule
     if sched is None:
         return None
     us = 1e6 / target.clock_hz

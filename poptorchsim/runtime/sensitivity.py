@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..machine import constants as K
 from ..machine.cost import op_cost
-from .compiler import _estimate
+from ..machine.program_cost import estimate
 
 #: constants that only the whole-call estimate reads (not one op's cost):
 #: varying them reuses the ops' costs
@@ -49,11 +49,7 @@ def _costs(program, target, amp):
 
 def _seconds(compiled, target, amp, costs=None):
     program = compiled.program
-    schedule = program.schedule
-    try:
-        return _estimate(program, costs or _costs(program, target, amp), target)["seconds"]
-    finally:
-        program.schedule = schedule          # _estimate records the schedule it used
+    return estimate(program, costs or _costs(program, target, amp), target)[0]["seconds"]
 
 
 def sensitivity(compiled, amp=0.6, step=0.2, names=None):

@@ -193,7 +193,7 @@ class DeviceWeights:
         """The loss scale the device uses: ``loss_scaling``, times the update
         factor of automatic loss scaling (kept across optimizer changes, as
         PopART keeps its factor tensor)."""
-        als = getattr(compiled, "auto_loss_scaling", None)
+        als = compiled.auto_loss_scaling
         if not als:
             self.state.loss_scale = None
             return loss_scaling

@@ -1,0 +1,119 @@
+"""The optimizer update's graph: built from the optimizer's rules
+(``capture/optimizers.py``) over the trainable parameters, lowered, with the
+host's scalar arithmetic marked; its sharding over replicas and the
+loss-scale update automatic loss scaling adds to it."""
+from dataclasses import dataclass
+
+from ..capture import optimizers as opt_rules
+from ..capture.trace import ParamUpdate, capture_update
+from ..errors import Error
+from ..passes import locations as tensor_locations
+from ..passes.host_scalars import mark_host_scalars
+from ..passes.lower import lower, mark_role
+
+
+def update_plan(optimizer, ga, running_mean=False, auto_loss_scaling=False):
+    """(Settings, UpdatePlan) of ``optimizer`` for a program accumulating ``ga``
+    micro-batches per update."""
+    read = opt_rules.read_settings(optimizer, bool(auto_loss_scaling))
+    return read, opt_rules.plan_update(optimizer, read, accumulating=ga > 1,
+                                       running_mean=running_mean)
+
+
+def max_grad_norm(optimizer):
+    """poptorchsim.optim's global-norm clipping threshold, or None."""
+    value = getattr(optimizer, "max_grad_norm", None)
+    return None if value is None or value == float("inf") else float(value)
+
+
+@dataclass
+class UpdateGraph:
+    graph: object
+    group_of: list
+    flags: list
+    slots: list
+    layouts: list
+
+
+def build_update(model, optimizer, capture, plan, shards=None, unit_scale=False):
+    """The optimizer-update graph for ``optimizer`` over the trainable params.
+
+    A parameter in ``shards`` (name -> R) is updated as one replica's shard:
+    a flat tensor of ceil(numel / R) elements.  ``unit_scale``: one
+    micro-batch per update on one replica and no loss scaling, so gradients
+    need no scaling."""
+    shards = shards or {}
+    group_index = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            group_index[id(p)] = gi
+    params = dict(model.named_parameters())
+    names = capture.trainable_names
+    group_of = [group_index[id(params[n])] for n in names]
+    slots, layouts = [], []
+    for n, grp in zip(names, group_of):
+        p = params[n]
+        shape = (-(-p.numel() // shards[n]),) if n in shards else tuple(p.shape)
+        read, written = opt_rules.slots(plan.kind, plan.group_flags(grp))
+        slots.append((read, written))
+        layouts.append(ParamUpdate(
+            shape, p.dtype, opt_rules.grad_dtype(plan, p.dtype), grp,
+            tuple((s.name, opt_rules.slot_dtype(plan, s, p.dtype)) for s in read),
+            tuple((s.name, opt_rules.slot_dtype(plan, s, p.dtype)) for s in written)))
+    n_groups = len(optimizer.param_groups)
+    update_fx = capture_update(plan, layouts, n_groups, unit_scale)
+    grad = "velocity" if plan.into_state else "grad"     # SGD1: the combined tensor
+    roles = ([(n, "param") for n in names] + [(f"{grad}/{n}", "accumulator") for n in names]
+             + [(f"{s.name}/{n}", "state") for n, (read, _) in zip(names, slots)
+                for s in read]
+             + [(f"step/{n}", "state") for n in names]
+             + [(f"hyper/{g}/{h}", "hyper") for g in range(n_groups) for h in plan.hyper]
+             + [(f"hyper/{h}", "hyper") for h in plan.globals]
+             + [("grad_scale", "hyper")])
+    graph = mark_role(lower(update_fx, "optimizer_update", roles), "grad_scale",
+                      "gradient unscale")
+    # bias corrections, lr / bias_correction, the step count: the host's work
+    graph = mark_host_scalars(graph, counters=[f"step/{n}" for n in names])
+    graph.outputs_overwrite_inputs = True     # variables are updated in place
+    return UpdateGraph(graph, group_of, [plan.group_flags(g) for g in range(n_groups)],
+                   slots, layouts)
+
+
+def numeric_update(model, optimizer, capture, plan, shards, update, unit_scale):
+    """(update, shards) the engine runs.  LAMB's trust ratio needs the norms
+    of whole weights: with sharded state PopART all-reduces the shards'
+    partial squared norms, so every replica scales its shard as the whole
+    weight would be.  The program (memory, cycles) keeps the sharded
+    update; the numerics run the same update over whole weights, which
+    gives those values."""
+    if not shards or plan.kind != "lamb":
+        return update, shards
+    return build_update(model, optimizer, capture, plan, None, unit_scale), {}
+
+
+def sharded_state(model, optimizer, capture, settings, replicas, plan=None):
+    """{param: replicas} for the parameters whose optimizer state is sharded."""
+    params = dict(model.named_parameters())
+    numels = {n: params[n].numel() for n in capture.trainable_names}
+    names = tensor_locations.sharded_parameters(settings, numels, replicas)
+    if plan is not None and plan.kind == "sgd_combined":
+        return {}       # the combined variant has no optimizer state to shard
+    if names and max_grad_norm(optimizer) is not None:
+        raise Error(
+            "max_grad_norm needs the global gradient norm, but replicated tensor sharding "
+            f"of the optimizer state leaves each replica with a shard of {len(names)} "
+            "parameter(s). Drop max_grad_norm, or turn sharding off with "
+            "TensorLocationSettings().useReplicatedTensorSharding(False).")
+    return {n: replicas for n in names}
+
+
+def check_loss_scaling(compiled, plan):
+    """The step graph is kept when the update changes: a new optimizer's loss
+    scaling must be in it, or out of it, as compiled."""
+    if plan.loss_scaling != compiled.capture.loss_scaling:
+        now = "scales" if compiled.capture.loss_scaling else "does not scale"
+        raise Error(
+            "Problem with loss scaling. Can not replace a constant value with a non constant "
+            f"value. (poptorchsim: the compiled training step {now} the loss, and the new "
+            "optimizer's loss_scaling asks the opposite: give it a loss_scaling like the "
+            "compiled optimizer's, or wrap the model again)")
