@@ -534,12 +534,12 @@ class Options(_OptionsDict):
         """A log line repeated back to back is shown at most ``max_lines``
         times, then dropped until a different line comes (default 4;
         ``None``: show all).  Applies to poptorchsim's logger from the moment
-        a model wrapped with these options is created (``log_repeats.py``)."""
+        a model wrapped with these options is created (``runtime/log_repeats.py``)."""
         if max_lines is not None and (isinstance(max_lines, bool)
                                       or not isinstance(max_lines, int) or max_lines < 0):
             raise ValueError(f"maxRepeatLogs expects None or an integer >= 0, got "
                              f"{max_lines!r}")
-        from .log_repeats import UNLIMITED
+        from .runtime.log_repeats import UNLIMITED
         return self.set(max_repeat_logs=UNLIMITED if max_lines is None else max_lines)
 
     def disableModuleNamescope(self):

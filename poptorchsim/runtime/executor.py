@@ -13,13 +13,13 @@ import logging
 import torch
 import torch.utils._pytree as pytree
 
-from .. import enums, log_repeats
+from .. import enums
 from ..capture import optimizers as opt_rules
 from ..capture.scopes import module_name_scopes
 from ..errors import Error, FloatingPointException
 from ..machine.engine import Accumulation, Engine, OutputCollector
 from ..machine.targets import default_target
-from . import cache, compiler, export, observe
+from . import cache, compiler, export, log_repeats, observe
 from .engine_options import allow_out_of_memory, profiling_directory
 from .inputs import ModelInputs
 from .perf import call_timeline, latency
