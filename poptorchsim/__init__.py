@@ -16,8 +16,8 @@ from .annotations import (BeginBlock, Block, BlockFunction, BlockId, LegacyBegin
                           ParallelPhasedExecution, Phase, SerialPhasedExecution,
                           PipelinedExecution, ShardedExecution, Stage,
                           recomputationCheckpoint, removeBlocks)
-from .arg_parsers import ICustomArgParser, registerCustomArgParser
-from .control_flow import cond, for_loop
+from ._api.arg_parsers import ICustomArgParser, registerCustomArgParser
+from ._api.control_flow import cond, for_loop
 from .data import AsynchronousDataAccessor, DataLoader
 from .enums import *  # noqa: F401,F403 - PopTorch re-exports its enums
 from .errors import (BatchDimensionError, DataDependentError, DtypeError, Error,
@@ -26,12 +26,12 @@ from .errors import (BatchDimensionError, DataDependentError, DtypeError, Error,
                      UnsupportedOperationError, createPoptorchError)
 from .ops import identity_loss, ipuHardwareIsAvailable, isRunningOnIpu, set_available_memory
 from .ops import CPU, ipu_print_tensor, ipuHardwareVersion  # docs/observing.md
-from .graph_ops import (Attribute, CustomOp, MultiConv, NameScope, custom_op,
+from ._api.graph_ops import (Attribute, CustomOp, MultiConv, NameScope, custom_op,
                         dynamic_slice, dynamic_update, nop, register_custom_op,
                         serializedMatMul)
 from .options import ConfigFileError, Options, TensorLocationSettings
-from .printing import module_repr, print  # noqa: A004 - PopTorch's poptorch.print
-from .overlap import set_overlap_for_input, set_overlap_for_output
+from ._api.printing import module_repr, print  # noqa: A004 - PopTorch's poptorch.print
+from ._api.overlap import set_overlap_for_input, set_overlap_for_output
 from .runtime.executor import PoplarExecutor
 
 from .version import __version__  # noqa: F401 - re-exported

@@ -5,7 +5,7 @@ input_group_size) * gradientAccumulation`` samples: everything one call of
 the model consumes.  ``drop_last`` is True by default, as in PopTorch.
 
 ``AsynchronousDataAccessor`` loads the items in a worker process
-(``data_worker``) ahead of the model; ``DataLoader(mode=DataLoaderMode.Async)``
+(``_api/data_worker.py``) ahead of the model; ``DataLoader(mode=DataLoaderMode.Async)``
 uses one, and ``AsyncRebatched`` lets the worker read smaller batches and
 join them into combined batches.
 """
@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from .data_worker import Worker
+from ._api.data_worker import Worker
 from .enums import DataLoaderMode, SharingStrategy
 from .errors import Error
 from .options import Options

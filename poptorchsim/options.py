@@ -4,360 +4,28 @@ Every setter validates at once, returns ``self`` so calls chain, and raises
 the exception PopTorch raises, with PopTorch's text.  ``trainingModel``,
 ``inferenceModel`` and ``DataLoader`` freeze the object they are given; the
 executor keeps its own frozen clone.
+
+The sub-option groups (``Options.Training``, ``.Precision``, ...) and the
+values mechanism they share are ``_api/option_groups.py``, re-exported here
+under PopTorch's names (``poptorch.options.TensorLocationSettings``).
+``Options.loadFromFile`` reads PopTorch's option files (``_load_file``).
 """
 import copy
 import json
 import os
 
 from . import enums
+from ._api.option_groups import (  # noqa: F401 - poptorch.options.<name>, as PopTorch has them
+    FROZEN_MESSAGE, TensorLocationSettings, _check_positive_int, _DistributedOptions,
+    _JitOptions, _OptionsDict, _PopartOptions, _PrecisionOptions, _TensorLocationOptions,
+    _TrainingOptions)
+from ._api.strategies import PipelinedExecution, _IExecutionStrategy
 from .errors import Error
-
-FROZEN_MESSAGE = "Can't modify frozen Options"
 
 
 class ConfigFileError(Exception):
     """A line of an ``Options.loadFromFile`` file that does not parse
     (``poptorch.options.ConfigFileError``, as PopTorch names it)."""
-
-
-class _OptionsDict:
-    """Values held in ``_values`` and read as attributes, frozen on demand."""
-
-    def __init__(self, **defaults):
-        object.__setattr__(self, "_values", dict(defaults))
-        object.__setattr__(self, "_frozen", False)
-
-    # -- freezing -----------------------------------------------------------
-    def _children(self):
-        return [v for v in vars(self).values() if isinstance(v, _OptionsDict)]
-
-    def _freeze(self):
-        object.__setattr__(self, "_frozen", True)
-        for child in self._children():
-            child._freeze()
-
-    def _unfreeze(self):
-        object.__setattr__(self, "_frozen", False)
-        for child in self._children():
-            child._unfreeze()
-
-    def _check_not_frozen(self):
-        if self._frozen:
-            raise AttributeError(
-                f"{FROZEN_MESSAGE}: trainingModel, inferenceModel and DataLoader freeze "
-                "the Options they are given. Set options before wrapping, or change a "
-                "copy (options.clone() is unfrozen) and wrap the model again; a wrapped "
-                "model's own options are model.options, also frozen.")
-
-    def __setattr__(self, name, value):
-        self._check_not_frozen()
-        object.__setattr__(self, name, value)
-
-    # -- values ---------------------------------------------------------------
-    def set(self, **kwargs):
-        self._check_not_frozen()
-        for key, value in kwargs.items():
-            assert key in self._values, (
-                f"Invalid option {key}, valid options are {sorted(self._values)}")
-            expected = type(self._values[key])
-            if not isinstance(value, expected) and not (
-                    expected is float and isinstance(value, int)):
-                raise AssertionError(
-                    f"Unexpected type {type(value)} for option {key}. "
-                    f"Expected {expected}")
-            self._values[key] = value
-        return self
-
-    def createOrSet(self, **kwargs):
-        self._check_not_frozen()
-        self._values.update(kwargs)
-        return self
-
-    def exists(self, key):
-        return key in self._values
-
-    def deleteIfExists(self, key):
-        self._check_not_frozen()
-        self._values.pop(key, None)
-
-    def toDict(self):
-        out = dict(self._values)
-        for name, child in vars(self).items():
-            if isinstance(child, _OptionsDict):
-                out[name.strip("_")] = child.toDict()
-        return out
-
-    def __getattr__(self, name):
-        values = object.__getattribute__(self, "_values")
-        if name in values:
-            return values[name]
-        raise AttributeError(f"Invalid attribute {name}.{self._did_you_mean(name)}")
-
-    def _did_you_mean(self, name):
-        """" Did you mean X?" for the closest setter or option name, if any."""
-        import difflib
-        known = [n for n in dir(type(self)) if not n.startswith("_")]
-        known += list(object.__getattribute__(self, "_values"))
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
-        return f" Did you mean {close[0]}?" if close else ""
-
-    def __deepcopy__(self, memo):
-        clone = self.__class__.__new__(self.__class__)
-        for key, value in vars(self).items():
-            object.__setattr__(clone, key, copy.deepcopy(value, memo))
-        clone._unfreeze()
-        return clone
-
-    def __getstate__(self):
-        return vars(self).copy()
-
-    def __setstate__(self, state):
-        for key, value in state.items():
-            object.__setattr__(self, key, value)
-
-    def __repr__(self):
-        parts = [f"{k}={v!r}" for k, v in self._values.items()]
-        parts += [f"{k.strip('_')}={v!r}" for k, v in vars(self).items()
-                  if isinstance(v, _OptionsDict)]
-        return f"{type(self).__name__}({', '.join(parts)})"
-
-
-class _TrainingOptions(_OptionsDict):
-    """``Options.Training``: gradient accumulation and its reduction."""
-
-    def __init__(self):
-        super().__init__(
-            gradient_accumulation=1,
-            accumulation_and_replication_reduction_type=enums.ReductionType.Mean,
-            meanAccumulationAndReplicationReductionStrategy=(
-                enums.MeanReductionStrategy.Post),
-            auto_loss_scaling=False,
-        )
-
-    def gradientAccumulation(self, gradient_accumulation):
-        """Micro-batches whose gradients are reduced into one weight update."""
-        _check_positive_int("gradient_accumulation", gradient_accumulation)
-        self.set(gradient_accumulation=gradient_accumulation)
-        return self
-
-    def accumulationAndReplicationReductionType(self, reduction_type):
-        if reduction_type not in (enums.ReductionType.Sum, enums.ReductionType.Mean):
-            raise ValueError("Reduction type must be poptorch.ReductionType.Sum or "
-                             "poptorch.ReductionType.Mean")
-        self._check_not_frozen()
-        self._values["accumulation_and_replication_reduction_type"] = reduction_type
-        return self
-
-    def setMeanAccumulationAndReplicationReductionStrategy(self, strategy):
-        if not isinstance(strategy, enums.MeanReductionStrategy):
-            raise ValueError("Expected a poptorch.MeanReductionStrategy")
-        self._check_not_frozen()
-        self._values["meanAccumulationAndReplicationReductionStrategy"] = strategy
-        return self
-
-    def setAutomaticLossScaling(self, enabled):
-        self.set(auto_loss_scaling=bool(enabled))
-        return self
-
-
-class _DistributedOptions(_OptionsDict):
-    """``Options.Distributed``: process rank and count, read from the environment."""
-
-    def __init__(self):
-        super().__init__(num_distributed_processes=1, distributed_process_id=0)
-        self.setEnvVarNames("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
-
-    def setEnvVarNames(self, var_num_processes, var_process_id):
-        self.configureProcessId(int(os.environ.get(var_process_id, "0")),
-                                int(os.environ.get(var_num_processes, "1")))
-        return self
-
-    def configureProcessId(self, process_id, num_processes):
-        self.set(distributed_process_id=process_id,
-                 num_distributed_processes=num_processes)
-        return self
-
-    def disable(self):
-        return self.configureProcessId(0, 1)
-
-    @property
-    def processId(self):
-        return self.distributed_process_id
-
-    @property
-    def numProcesses(self):
-        return self.num_distributed_processes
-
-
-class TensorLocationSettings(_OptionsDict):
-    """Where one kind of tensor lives: on chip or in Streaming Memory, and
-    whether it is sharded across replicas (replicated tensor sharding).
-
-    >>> opts = Options()
-    >>> opts.TensorLocations.setOptimizerLocation(
-    ...     TensorLocationSettings().useOnChipStorage(False)
-    ...     .useReplicatedTensorSharding(True))       # doctest: +ELLIPSIS
-    _TensorLocationOptions(...)
-
-    Settings left unset keep Poplar's defaults: on chip, no sharding, at least
-    2 elements to go off chip and 8192 to be sharded.
-    """
-
-    def __init__(self):
-        super().__init__()
-
-    def minElementsForOffChip(self, min_elements):
-        """Tensors with fewer elements stay on chip."""
-        assert isinstance(min_elements, int)
-        return self.createOrSet(minElementsForOffChip=min_elements)
-
-    def minElementsForReplicatedTensorSharding(self, min_elements):
-        """Only tensors with at least this many elements are sharded."""
-        assert isinstance(min_elements, int)
-        return self.createOrSet(minElementsForReplicatedTensorSharding=min_elements)
-
-    def useOnChipStorage(self, use=True):
-        """True: In-Processor Memory; False: Streaming Memory; None: unset."""
-        if use is None:
-            self.deleteIfExists("onChip")
-            return self
-        assert isinstance(use, bool)
-        return self.createOrSet(onChip=int(use))
-
-    def useReplicatedTensorSharding(self, use=True):
-        """Shard the tensor across replicas (weights and optimizer state)."""
-        assert isinstance(use, bool)
-        return self.createOrSet(useReplicatedTensorSharding=int(use))
-
-    def useIOTilesToLoad(self, use=True):
-        """Stream these variables from Streaming Memory through the IO tiles
-        (``TensorLocations.numIOTiles``): the transfer overlaps compute, then
-        crosses the exchange to the compute tiles."""
-        assert isinstance(use, bool)
-        return self.createOrSet(useIOTilesToLoad=int(use))
-
-    def useIOTilesToStore(self, use=True):
-        """Stream these variables to Streaming Memory through the IO tiles
-        (see ``useIOTilesToLoad``)."""
-        assert isinstance(use, bool)
-        return self.createOrSet(useIOTilesToStore=int(use))
-
-
-class _TensorLocationOptions(_OptionsDict):
-    """``Options.TensorLocations``: ``TensorLocationSettings`` per kind of tensor."""
-
-    def __init__(self):
-        super().__init__(num_io_tiles=0)
-
-    def numIOTiles(self, num_tiles):
-        assert isinstance(num_tiles, int) and 32 <= num_tiles <= 192 and num_tiles % 2 == 0, (
-            "numIOTiles must be an even number between 32 and 192.")
-        return self.set(num_io_tiles=num_tiles)
-
-    def _location(self, key, location):
-        assert isinstance(location, TensorLocationSettings), (
-            f"{key} expects a poptorch.TensorLocationSettings (got {type(location)})")
-        return self.createOrSet(**{key: dict(location._values)})
-
-    def setActivationLocation(self, location):
-        """Activations (used with phased execution)."""
-        return self._location("location_activation", location)
-
-    def setWeightLocation(self, location):
-        """The model's weights."""
-        return self._location("location_weight", location)
-
-    def setOptimizerLocation(self, location):
-        """The optimizer's state (momentum, Adam's moments)."""
-        return self._location("location_optimizer", location)
-
-    def setAccumulatorLocation(self, location):
-        """The gradient accumulators (with gradient accumulation)."""
-        return self._location("location_accumulator", location)
-
-    def settings(self):
-        """``{"weight": {...}, "optimizer": {...}, ...}``: what was set."""
-        return {k[len("location_"):]: dict(v) for k, v in self._values.items()
-                if k.startswith("location_")}
-
-
-class _PrecisionOptions(_OptionsDict):
-    """``Options.Precision``: fp16 arithmetic (docs/precision.md)."""
-
-    def __init__(self):
-        super().__init__(enable_floating_point_exceptions=False,
-                         enable_stochastic_rounding=False, partials_type="float",
-                         running_statistics_always_float=False)
-
-    def halfFloatCasting(self, half_float_casting):  # noqa: ARG002 - deprecated, as PopTorch
-        """Deprecated in PopTorch, and a no-op there: ops mixing fp16 and fp32
-        operands always compute in fp32 (``HalfUpcastToFloat``)."""
-        import logging
-        logging.getLogger("poptorchsim").warning(
-            "[Deprecated] Do not call options.Precision.halfFloatCasting(): "
-            "HalfUpcastToFloat is now the only supported option and matches PyTorch's "
-            "behaviour so you don't need to explicitly set it.")
-        return self
-
-    def runningStatisticsAlwaysFloat(self, value):
-        """Batch-norm running mean and variance kept in float32 in an fp16
-        model (PopTorch's behaviour before 3.1; see docs/precision.md)."""
-        if not isinstance(value, bool):
-            raise ValueError("runningStatisticsAlwaysFloat needs to be set to a bool")
-        return self.set(running_statistics_always_float=value)
-
-    def enableFloatingPointExceptions(self, enabled):
-        """Raise ``poptorch.Error`` at the first op that divides by zero,
-        overflows or is invalid (NaN), instead of computing inf or NaN
-        (docs/precision.md)."""
-        assert isinstance(enabled, bool), \
-            "enableFloatingPointExceptions needs to be set to a bool"
-        return self.set(enable_floating_point_exceptions=enabled)
-
-    def enableStochasticRounding(self, enabled):
-        return self.set(enable_stochastic_rounding=bool(enabled))
-
-    def setPartialsType(self, dtype):
-        import torch
-        if dtype not in (torch.float, torch.half):
-            raise ValueError("Partials type must be torch.float or torch.half")
-        return self.set(partials_type="float" if dtype == torch.float else "half")
-
-
-class _JitOptions(_OptionsDict):
-    def __init__(self):
-        super().__init__()
-
-    def traceModel(self, trace_model):
-        if trace_model:
-            raise ValueError("options.Jit.traceModel(True) is no longer supported")
-        return self
-
-
-class _PopartOptions(_OptionsDict):
-    """``Options._Popart``: backend options, stored as given."""
-
-    def __init__(self):
-        super().__init__()
-        object.__setattr__(self, "options", {
-            "instrumentWithHardwareCycleCounter": False,
-            "rearrangeAnchorsOnHost": False})
-
-    def set(self, key, value):
-        self._check_not_frozen()
-        self.options[key] = value
-        return self
-
-    def setEngineOptions(self, engine_options):
-        return self.set("engineOptions", dict(engine_options))
-
-    def setPatterns(self, patterns, level=2):
-        self.set("patterns", dict(patterns))
-        return self.set("patternsLevel", level)
-
-    def __repr__(self):
-        body = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
-        return f"{type(self).__name__}({body})"
 
 
 class Options(_OptionsDict):
@@ -461,7 +129,6 @@ class Options(_OptionsDict):
     def setExecutionStrategy(self, strategy):
         """How blocks become stages and IPUs: ``PipelinedExecution`` (the
         default) or ``ShardedExecution``."""
-        from .annotations import _IExecutionStrategy
         assert isinstance(strategy, _IExecutionStrategy), (
             "strategy must be an instance of an execution strategy class, such as "
             f"poptorch.PipelinedExecution or poptorch.ShardedExecution (got {type(strategy)})")
@@ -475,7 +142,6 @@ class Options(_OptionsDict):
         (stage = each block's ``ipu_id``) until one is set."""
         strategy = vars(self).get("_execution_strategy")
         if strategy is None:
-            from .annotations import PipelinedExecution
             strategy = PipelinedExecution()
             object.__setattr__(self, "_execution_strategy", strategy)
         return strategy
@@ -534,12 +200,12 @@ class Options(_OptionsDict):
         """A log line repeated back to back is shown at most ``max_lines``
         times, then dropped until a different line comes (default 4;
         ``None``: show all).  Applies to poptorchsim's logger from the moment
-        a model wrapped with these options is created (``log_repeats.py``)."""
+        a model wrapped with these options is created (``runtime/log_repeats.py``)."""
         if max_lines is not None and (isinstance(max_lines, bool)
                                       or not isinstance(max_lines, int) or max_lines < 0):
             raise ValueError(f"maxRepeatLogs expects None or an integer >= 0, got "
                              f"{max_lines!r}")
-        from .log_repeats import UNLIMITED
+        from .runtime.log_repeats import UNLIMITED
         return self.set(max_repeat_logs=UNLIMITED if max_lines is None else max_lines)
 
     def disableModuleNamescope(self):
@@ -557,8 +223,7 @@ class Options(_OptionsDict):
         blank lines skipped.  Options the file does not name keep their
         values, so a second file overrides only what it sets.  A line that
         does not parse raises ``poptorch.options.ConfigFileError``."""
-        from ._options_config import parse_and_set_options
-        parse_and_set_options(self, filepath)
+        _load_file(self, filepath)
         return self
 
     def autoRoundNumIPUs(self, auto_round_num_ipus=True):
@@ -689,14 +354,6 @@ class Options(_OptionsDict):
         return copy.deepcopy(self)
 
 
-def _check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise AssertionError(
-            f"Unexpected type {type(value)} for option {name}. Expected <class 'int'>")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value}")
-
-
 def _string_to_enum(value):
     """``"ConnectionType.OnDemand"`` -> ``enums.ConnectionType.OnDemand``;
     any other string is returned as it is."""
@@ -705,3 +362,40 @@ def _string_to_enum(value):
     if enum_class is None or "." in member or not hasattr(enum_class, "__members__"):
         return value
     return enum_class.__members__.get(member, value)
+
+
+# -- Options.loadFromFile ------------------------------------------------------------
+# One option call a line, PopTorch's file format: each line is what would
+# follow ``options.`` in Python (``deviceIterations(4)``); blank lines and lines
+# starting with ``#`` are skipped, and an inline ``# comment`` is Python's own.
+# The lines run in order, so a later file overrides only the options it sets.
+# A line that does not parse raises ``ConfigFileError`` naming the line and the
+# file, as PopTorch's ``_options_config.py`` does.
+
+# Python 3.10+ says "'(' was never closed" where the Python PopTorch was
+# written for said "unexpected EOF while parsing"; PopTorch's text is kept.
+_EOF_DETAILS = ("was never closed", "unexpected EOF")
+
+
+def _load_file(options, filepath):
+    import poptorchsim
+    commands = []
+    with open(filepath) as f:
+        filename = os.path.basename(f.name)
+        for line in f:
+            stripped = line.strip()
+            if not stripped or stripped.startswith("#"):
+                continue
+            commands.append("options." + stripped)
+    code = "\n".join(commands)
+    try:
+        compiled = compile(code, filename, "exec")
+    except SyntaxError as err:
+        detail = err.args[0]
+        if any(s in detail for s in _EOF_DETAILS):
+            detail = "unexpected EOF while parsing"
+        line = (err.text or "").rstrip("\n")
+        raise ConfigFileError(
+            f"{type(err).__name__} at line {err.lineno} of {filename}: {detail}\n"
+            f"> {line}") from None
+    exec(compiled, {}, {"poptorch": poptorchsim, "options": options})  # noqa: S102

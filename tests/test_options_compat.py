@@ -74,7 +74,7 @@ def _recorded(n_and_texts):
 
 
 def test_max_repeat_logs_drops_lines_repeated_back_to_back():
-    from poptorchsim import log_repeats
+    from poptorchsim.runtime import log_repeats
     opts = quiet_options()
     assert opts.max_repeat_logs == 4
     try:

@@ -72,7 +72,7 @@ def _forget_repeated_log_lines():
     """Many models here use 3 IPUs and log the same power-of-2 warning; let a
     later test see that line again (Options.maxRepeatLogs drops repeats)."""
     yield
-    from poptorchsim import log_repeats
+    from poptorchsim.runtime import log_repeats
     log_repeats.FILTER._last, log_repeats.FILTER._count = None, 0
 
 

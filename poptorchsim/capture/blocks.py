@@ -5,6 +5,10 @@ while a model is traced; every fx node created afterwards carries
 ``node.meta["custom"]["block"] = (user_id, ipu_id)`` (torch.fx's node-meta
 annotation).  Outside tracing these calls do nothing.  Backward nodes are
 given blocks later, from the forward nodes they read (``assign_blocks``).
+
+``BlockHook`` is the forward pre-hook ``BeginBlock`` puts on a module
+(``add_block_hook``); the auto-split (``runtime/autosplit.py``) adds the same
+hooks with ``begin_block``.
 """
 import contextlib
 import threading
@@ -13,6 +17,8 @@ import torch
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
+
+from ..errors import createPoptorchError
 
 _state = threading.local()
 
@@ -146,3 +152,61 @@ def node_block(node):
 
 def node_is_backward(node):
     return bool(node.meta.get("custom", {}).get("backward", False))
+
+
+# ---------------------------------------------------------------------------
+# BeginBlock's forward pre-hook
+# ---------------------------------------------------------------------------
+def block_inputs(args, kwargs=None):
+    """The tensors entering a block: ``enter_block`` hooks their gradients so
+    that backward ops land in the block of their forward ops."""
+    leaves = pytree.tree_leaves((args, kwargs or {}))
+    return tuple(t for t in leaves if isinstance(t, torch.Tensor))
+
+
+class BlockHook:
+    """The forward pre-hook ``BeginBlock`` registers: enters the block each
+    time the module is called.  Later modules stay in it until another
+    block begins."""
+
+    def __init__(self, user_id, ipu_id):
+        self.user_id = user_id
+        self.ipu_id = ipu_id
+
+    def __call__(self, module, args, kwargs=None):
+        enter_block(self.user_id, self.ipu_id, block_inputs(args, kwargs))
+
+    def __repr__(self):
+        return f"BeginBlock(user_id={self.user_id}, ipu_id={self.ipu_id})"
+
+
+def block_hooks(module):
+    """The keys of ``module``'s own ``BlockHook`` forward pre-hooks."""
+    return [key for key, hook in module._forward_pre_hooks.items()
+            if isinstance(hook, BlockHook)]
+
+
+def refuse_second_block(module):
+    """PopTorch's error for a module that already begins a block."""
+    if block_hooks(module):
+        raise createPoptorchError("module has already been assigned to a block.")
+
+
+def add_block_hook(module, user_id, ipu_id):
+    """Makes ``module`` begin block ``user_id`` (a string) on ``ipu_id``;
+    returns the module."""
+    module.register_forward_pre_hook(BlockHook(user_id, ipu_id), with_kwargs=True)
+    return module
+
+
+def begin_block(module, user_id, ipu_id):
+    """``BeginBlock(module, user_id, ipu_id)`` for ids known to be valid."""
+    refuse_second_block(module)
+    return add_block_hook(module, user_id, ipu_id)
+
+
+def remove_block_hooks(module):
+    """Removes ``module``'s own ``BlockHook``s (not its submodules')."""
+    for key in block_hooks(module):
+        del module._forward_pre_hooks[key]
+        module._forward_pre_hooks_with_kwargs.pop(key, None)

@@ -49,9 +49,8 @@ class SplitPlan:
 
     def apply(self, model):
         """Adds ``BeginBlock(layer, user_id=name, ipu_id=i)`` at every boundary."""
-        from ..annotations import BeginBlock
         for name, ipu in self.boundaries:
-            BeginBlock(model.get_submodule(name), user_id=f"ipu{ipu}", ipu_id=ipu)
+            _blocks.begin_block(model.get_submodule(name), f"ipu{ipu}", ipu)
         return model
 
     def explain(self):

@@ -13,12 +13,12 @@ import logging
 import torch
 import torch.utils._pytree as pytree
 
-from .. import enums, log_repeats
+from .. import enums
 from ..capture import optimizers as opt_rules
 from ..capture.scopes import module_name_scopes
 from ..errors import Error, FloatingPointException
 from ..machine.engine import Accumulation, Engine, OutputCollector
-from . import cache, compiler, export, observe
+from . import cache, compiler, export, log_repeats, observe
 from .config import CompileConfig, output_mode
 from .engine_options import profiling_directory
 from .inputs import ModelInputs

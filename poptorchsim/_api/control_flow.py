@@ -10,9 +10,9 @@ model run in plain PyTorch) they run in Python.
 """
 import torch
 
-from .capture import control_flow as _markers
-from .capture.trace import is_tracing, tracing_training
-from .errors import Error
+from ..capture import control_flow as _markers
+from ..capture.trace import is_tracing, tracing_training
+from ..errors import Error
 
 
 def _as_list(outputs):

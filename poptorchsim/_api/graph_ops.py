@@ -13,12 +13,12 @@ import re
 
 import torch
 
-from . import enums
-from .capture import custom_ops as _custom_ops
-from .capture import scopes as _scopes
-from .errors import Error, createPoptorchError
-from .ir import custom as _ir_custom
-from .ir.multiconv import MultiConvGroup
+from .. import enums
+from ..capture import custom_ops as _custom_ops
+from ..capture import scopes as _scopes
+from ..errors import Error, createPoptorchError
+from ..ir import custom as _ir_custom
+from ..ir.multiconv import MultiConvGroup
 
 # ---------------------------------------------------------------------------
 # Custom ops
@@ -284,7 +284,7 @@ def serializedMatMul(lhs, rhs, mode, factor=0, keep_precision=False):
         raise createPoptorchError(
             f"serializedMatMul: the factor ({factor}) must divide the {mode.value} "
             f"dimension ({length}); pick a factor of {length}.")
-    from .capture.annotations import annotate_producer
+    from ..capture.annotations import annotate_producer
     annotate_producer(out, "serialization", (mode.value, factor, keep_precision))
     return out
 

@@ -12,7 +12,7 @@ import abc
 
 import torch.utils._pytree as pytree
 
-from .errors import Error
+from ..errors import Error
 
 _parsers = {}
 

@@ -30,8 +30,8 @@ import torch
 import torch.multiprocessing as multiprocessing
 import torch.utils._pytree as pytree
 
-from .enums import SharingStrategy
-from .errors import Error
+from ..enums import SharingStrategy
+from ..errors import Error
 
 START_FAILED_ERR = ("AsynchronousDataAccessor worker thread failed to start "
                     "(Check above for details)")

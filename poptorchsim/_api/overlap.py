@@ -9,9 +9,9 @@ cycle estimate then hides those transfers behind compute.
 import torch
 import torch.utils._pytree as pytree
 
-from .capture.overlap import mark
-from .enums import OverlapMode
-from .errors import Error
+from ..capture.overlap import mark
+from ..enums import OverlapMode
+from ..errors import Error
 
 
 def _mark_all(tensors, kind, mode):
