@@ -30,7 +30,7 @@ def _placed(op):
     mapping = next((t.mapping for t in op.outputs if t is not None and t.mapping is not None),
                    None)
     if mapping is not None:
-        parts.append(f"tiles {mapping.start}..{mapping.start + mapping.n_tiles - 1}")
+        parts.append(f"{mapping.n_tiles} tile(s) from {mapping.start}")
     if op.backward:
         parts.append("backward")
     if op.recompute:
@@ -62,38 +62,45 @@ def format_graph(graph, indent=""):
     return "\n".join(lines)
 
 
+def format_step(step):
+    """One line for a control step (``Sequence`` and ``Repeat`` frame others)."""
+    if isinstance(step, Repeat):
+        return f"repeat {step.count} ({step.counter}):"
+    if isinstance(step, Call):
+        return (f"call {step.graph.name} on {step.replicas} replica(s) "
+                f"[{len(step.graph.ops)} ops]")
+    if isinstance(step, HostToDevice):
+        return f"stream host->device {step.nbytes} B"
+    if isinstance(step, DeviceToHost):
+        return f"stream device->host {step.nbytes} B ({step.mode})"
+    if isinstance(step, AllReduce):
+        return f"all-reduce {step.nbytes} B across {step.replicas} replicas"
+    if isinstance(step, ReduceScatter):
+        return f"reduce-scatter {step.nbytes} B across {step.replicas} replicas"
+    if isinstance(step, AllGather):
+        return f"all-gather {step.nbytes} B across {step.replicas} replicas"
+    if isinstance(step, (RemoteLoad, RemoteStore)):
+        verb = "load from" if isinstance(step, RemoteLoad) else "store to"
+        names = ", ".join(step.names[:3]) + (", ..." if len(step.names) > 3 else "")
+        how = (" via IO tiles" if step.io_tiles else "") + (
+            f" (phased, {step.transfers} transfer(s))" if step.phased else "")
+        return f"{verb} Streaming Memory {step.nbytes} B per replica{how} ({names})"
+    raise TypeError(f"unknown program step {type(step).__name__}")
+
+
 def format_program(program):
     lines = [f"program {program.kind} (replicas={program.replicas})"]
 
     def visit(step, depth):
-        pad = "  " * depth
         if isinstance(step, Sequence):
             for s in step.steps:
                 visit(s, depth)
-        elif isinstance(step, Repeat):
-            lines.append(f"{pad}repeat {step.count} ({step.counter}):")
+            return
+        lines.append("  " * depth + format_step(step))
+        if isinstance(step, Repeat):
             visit(step.body, depth + 1)
-        elif isinstance(step, Call):
-            lines.append(f"{pad}call {step.graph.name} on {step.replicas} replica(s) "
-                         f"[{len(step.graph.ops)} ops]")
-        elif isinstance(step, HostToDevice):
-            lines.append(f"{pad}stream host->device {step.nbytes} B")
-        elif isinstance(step, DeviceToHost):
-            lines.append(f"{pad}stream device->host {step.nbytes} B ({step.mode})")
-        elif isinstance(step, AllReduce):
-            lines.append(f"{pad}all-reduce {step.nbytes} B across {step.replicas} replicas")
-        elif isinstance(step, ReduceScatter):
-            lines.append(f"{pad}reduce-scatter {step.nbytes} B across {step.replicas} replicas")
-        elif isinstance(step, AllGather):
-            lines.append(f"{pad}all-gather {step.nbytes} B across {step.replicas} replicas")
-        elif isinstance(step, (RemoteLoad, RemoteStore)):
-            verb = "load from" if isinstance(step, RemoteLoad) else "store to"
-            names = ", ".join(step.names[:3]) + (", ..." if len(step.names) > 3 else "")
-            how = (" via IO tiles" if step.io_tiles else "") + (
-                f" (phased, {step.transfers} transfer(s))" if step.phased else "")
-            lines.append(f"{pad}{verb} Streaming Memory {step.nbytes} B per replica{how} "
-                         f"({names})")
-    visit(program.main, 1)
+    if program.main is not None:
+        visit(program.main, 1)
     text = "\n".join(lines)
     for graph in program.graphs.values():
         text += "\n\n" + format_graph(graph)

@@ -126,6 +126,7 @@ class _Walk:
         self.ipus = max(len(set(program.ipu_of_stage)), 1)   # IPUs holding parameters
         self.n_ipus = max(program.n_ipus, 1)
         self.charges = _Charges()
+        self.loop = None         # (the loop whose body calls the model, its own repeats)
 
     def charge(self, kind, cycles):
         self.charges.kinds[kind] += cycles
@@ -142,10 +143,11 @@ class _Walk:
     def _Repeat(self, step, times):
         inner = step.body.steps if isinstance(step.body, Sequence) else [step.body]
         if any(isinstance(s, Call) and s.graph is self.model for s in inner):
-            self._pipeline(step, times)
-            for s in inner:
-                if not (isinstance(s, Call) and s.graph is self.model):
-                    self.step(s, times * step.count)
+            # the loop whose body calls the model: the call charges the
+            # pipeline schedule over the loop's iterations (``_Call``)
+            outer, self.loop = self.loop, (step, times)
+            self.step(step.body, times * step.count)
+            self.loop = outer
         else:
             self.step(step.body, times * step.count)
 
@@ -171,7 +173,8 @@ class _Walk:
 
     def _Call(self, step, times):
         if step.graph is self.model:          # outside a loop: a pipeline of one
-            self._pipeline(Repeat(1, step, "call"), times)
+            loop, loop_times = self.loop or (Repeat(1, step, "call"), times)
+            self._pipeline(loop, loop_times)
             return
         for k, v in graph_cycles(self.costs[step.graph.name]).items():
             self.charge(k, v * times / self.ipus)
