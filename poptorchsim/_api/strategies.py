@@ -122,16 +122,20 @@ class _StagedExecution(_IExecutionStrategy):
         return None if self._block_map else self._auto_stage
 
     # -- compiler side ------------------------------------------------------------
+    def spec(self):
+        """What the compiler needs, as plain data (``passes.stages.StagedSpec``)."""
+        return _stage_rules.StagedSpec(
+            tuple((block, stage._stage_id, stage._ipu)
+                  for block, stage in self._block_map.items()),
+            auto_increment=self._auto_stage != enums.AutoStage.SameAsIpu,
+            pipelined=self.is_pipelined)
+
     def assign(self, blocks, default=False):
         """``{user_id: (stage_id, ipu)}`` for ``blocks``, the ``(user_id,
         ipu_id)`` pairs in the order the model entered them
         (``passes.stages.assign_staged``).  ``default``: the model runs ops
         before its first block (PopTorch's default block, key ``None``)."""
-        explicit = {block: (stage._stage_id, stage._ipu)
-                    for block, stage in self._block_map.items()}
-        return _stage_rules.assign_staged(
-            blocks, explicit, auto_increment=self._auto_stage != enums.AutoStage.SameAsIpu,
-            pipelined=self.is_pipelined, default=default)
+        return self.spec().assign(blocks, default)
 
     def __repr__(self):
         if self._block_map:
@@ -326,20 +330,23 @@ class _IPhasedExecution(_IExecutionStrategy):
         every phase on IPU k; parallel phases put it on IPU ``2k + phase % 2``.
         ``default``: the model runs ops before its first block (PopTorch's
         default block, key ``None``, in phase 0 on IPU 0)."""
-        return _stage_rules.assign_phased(blocks, self._block_map,
-                                          [stage._ipu for stage in self._stages],
-                                          self._position, self.serial, default=default)
+        return self.spec().assign(blocks, default)
+
+    def spec(self):
+        """What the compiler needs, as plain data (``passes.stages.PhasedSpec``)."""
+        return _stage_rules.PhasedSpec(
+            tuple(self._block_map.items()), tuple(stage._ipu for stage in self._stages),
+            tuple(self._position), tuple(len(phase.stages) for phase in self._phases),
+            bool(self.serial), self.tensors_liveness.name, type(self).__name__)
 
     def phase_of_stage(self):
         """The phase index of every stage id."""
-        return [phase for phase, _ in self._position]
+        return self.spec().phase_of_stage()
 
     def check(self, stage_of_block):
         """PopTorch's compile-time rules for phases; ``stage_of_block`` is what
         ``assign`` returned.  Raises ``poptorch.Error``."""
-        _stage_rules.check_phases(stage_of_block, self._position,
-                                  [len(phase.stages) for phase in self._phases], self.serial,
-                                  self.tensors_liveness.name, type(self).__name__)
+        self.spec().check(stage_of_block)
 
     def _repr_settings(self):
         return ".useSeparateBackwardPhase()" if self._separate_backward_phase else ""

@@ -24,6 +24,8 @@ PopTorch's rules:
 entered them; a block id seen twice keeps its first entry.  Block id
 ``None`` is PopTorch's default block: the ops before the first block.
 """
+from dataclasses import dataclass
+
 from ..errors import Error
 
 # Liveness settings that only serial phases support (``poptorch.Liveness`` names)
@@ -180,3 +182,54 @@ def check_phases(stage_of_block, positions, stages_per_phase, serial, liveness,
             f"stages on {parity} IPUs, for example "
             f"strategy.phase({phase}).ipus({fix}), or give its blocks {parity} "
             "ipu_ids.")
+
+
+# ---------------------------------------------------------------------------
+# A strategy as data: what the face hands the compiler
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StagedSpec:
+    """Pipelined or sharded execution, as plain data (``strategy.spec()``).
+    ``explicit``: ``((block id, stage id, Stage.ipu() or None), ...)`` for
+    stages the user gave; empty for automatic stages."""
+    explicit: tuple = ()
+    auto_increment: bool = False
+    pipelined: bool = True
+    phased = False
+
+    def assign(self, blocks, default=False):
+        explicit = {b: (s, ipu) for b, s, ipu in self.explicit}
+        return assign_staged(blocks, explicit, auto_increment=self.auto_increment,
+                             pipelined=self.pipelined, default=default)
+
+
+@dataclass(frozen=True)
+class PhasedSpec:
+    """Serial or parallel phased execution, as plain data (``strategy.spec()``).
+    ``stage_of_block``: ``((block id, stage id), ...)`` in the order given;
+    ``stage_ipus``: each stage's ``Stage.ipu()`` or None; ``positions``: each
+    stage's ``(phase, index in the phase)``."""
+    stage_of_block: tuple
+    stage_ipus: tuple
+    positions: tuple
+    stages_per_phase: tuple
+    serial: bool
+    liveness: str = "AlwaysLive"      # poptorch.Liveness name of the activations
+    strategy_name: str = ""
+    pipelined = False
+    phased = True
+
+    def assign(self, blocks, default=False):
+        return assign_phased(blocks, dict(self.stage_of_block), list(self.stage_ipus),
+                             list(self.positions), self.serial, default=default)
+
+    def phase_of_stage(self):
+        return [phase for phase, _ in self.positions]
+
+    def check(self, stage_of_block):
+        check_phases(stage_of_block, list(self.positions), list(self.stages_per_phase),
+                     self.serial, self.liveness, self.strategy_name)
+
+    @property
+    def activations_off_chip(self):
+        return self.liveness != "AlwaysLive"

@@ -19,8 +19,10 @@ from .config import CompileConfig
 
 
 class _OneStagePerBlock:
-    """A strategy for measuring: every block its own stage, all on IPU 0."""
-    is_pipelined = False
+    """A placement for measuring: every block its own stage, all on IPU 0
+    (shaped as ``passes.stages.StagedSpec``)."""
+    pipelined = False
+    phased = False
 
     def assign(self, blocks, default=False):
         """Ops before the first block (``default``) are measured with it."""
@@ -171,7 +173,7 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
     log.setLevel(logging.ERROR)       # the whole model need not fit one IPU here
     try:
         config = CompileConfig(training, target=target, show_progress=False, allow_oom=True,
-                               strategy=_OneStagePerBlock())
+                               placement=_OneStagePerBlock())
         if training:
             optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.01)
             compiled = compiler.compile_training(model, optimizer, example_inputs, {}, config)

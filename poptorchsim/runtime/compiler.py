@@ -120,7 +120,7 @@ def compile_training(model, optimizer, args, kwargs, config):
                                     loss_scaling=plan.loss_scaling)
     bar.set_description("Tracing"); bar.update(1)
     capture = trace(floating_point_checks(c.precision))                          # 1
-    overlap = _check_overlap(capture, c.strategy, c.io_tiles)
+    overlap = _check_overlap(capture, c.placement, c.io_tiles)
     bar.set_description("Lowering"); bar.update(1)
     step = _lower_model(capture, "training_step", lambda: trace(True))         # 2
     shards = sharded_state(model, optimizer, capture, c.locations, c.total_replicas, plan)
@@ -132,7 +132,7 @@ def compile_training(model, optimizer, args, kwargs, config):
                                     "optimizer_update": update.graph}, capture, overlap, c,
                        sharded_state=set(shards))
     program = _checked(program, "lower")
-    program = _checked(place(program, step, _placement(c.strategy, capture, step),          # 4
+    program = _checked(place(program, step, _placement(c.placement, capture, step),          # 4
                              capture.tied, training=True, auto_round=c.auto_round),
                        "place stages")
     recompute.plan(step, recompute.default_mode(                                          # 5
@@ -170,12 +170,12 @@ def compile_inference(model, args, kwargs, config):
             return capture_inference(model, args, kwargs, stack_traces=stack_traces)
     bar.set_description("Tracing"); bar.update(1)
     capture = trace(floating_point_checks(c.precision))                          # 1
-    overlap = _check_overlap(capture, c.strategy, c.io_tiles)
+    overlap = _check_overlap(capture, c.placement, c.io_tiles)
     bar.set_description("Lowering"); bar.update(1)
     graph = _lower_model(capture, "inference_forward", lambda: trace(True))     # 2
     program = _checked(_program("inference", {"inference_forward": graph}, capture,
                                 overlap, c), "lower")
-    program = _checked(place(program, graph, _placement(c.strategy, capture, graph),      # 4
+    program = _checked(place(program, graph, _placement(c.placement, capture, graph),      # 4
                              capture.tied, training=False, auto_round=c.auto_round),
                        "place stages")
     bar.set_description("Tile mapping"); bar.update(1)
@@ -315,11 +315,11 @@ def _host_streams(capture, program, overlap):
     return streams, outputs
 
 
-def _check_overlap(capture, strategy, io_tiles):
+def _check_overlap(capture, spec, io_tiles):
     """The overlapped inputs and outputs, PopTorch's preconditions checked."""
     inputs, outputs = overlapped_io(capture)
     if any(mode != "no_overlap" for mode in [*inputs.values(), *outputs.values()]):
-        if getattr(strategy, "is_pipelined", True):
+        if spec is None or spec.pipelined:
             raise Error("Overlapped IO is not supported with poptorch.PipelinedExecution. "
                         "If you are using only one IPU, please switch to "
                         "poptorch.ShardedExecution.")
@@ -348,34 +348,33 @@ def _check_locations(settings, io_tiles=0):
             "ParallelPhasedExecution); activations stay on chip.")
 
 
-def _placement(strategy, capture, graph):
+def _placement(spec, capture, graph):
     """The execution strategy's block-to-stage assignment for the traced
-    blocks, as ``passes.placement.Placement`` data.
+    blocks, as ``passes.placement.Placement``.  ``spec``: the strategy as
+    data (``passes.stages.StagedSpec`` or ``PhasedSpec``; None: blocks run
+    on their ``ipu_id``, one stage per IPU).
 
     Ops traced before the model's first block form PopTorch's default block
     (stage 0 on IPU 0) when the strategy places it (``assign(..., default=
     True)``); a strategy that does not (the auto-split's) keeps them with
     the first stage."""
-    from ..enums import Liveness
     entered = tuple(dict.fromkeys(b for b, _ in capture.blocks))
     stage_of_block = {}
     if capture.blocks:
         default = has_default_block(graph)
-        if strategy is not None and hasattr(strategy, "assign"):
-            stage_of_block = strategy.assign(capture.blocks, default=default)
+        if spec is not None:
+            stage_of_block = spec.assign(capture.blocks, default=default)
         else:
             stage_of_block = {b: (ipu or 0, ipu or 0) for b, ipu in capture.blocks}
             if default:
                 stage_of_block = {None: (0, 0), **stage_of_block}
     phased = {}
-    if getattr(strategy, "is_phased", False):
-        strategy.check(stage_of_block)
-        liveness = Liveness(getattr(strategy, "tensors_liveness", Liveness.AlwaysLive))
-        phased = {"phase_of_stage": strategy.phase_of_stage(),
-                  "serial": bool(strategy.serial),
-                  "activations_off_chip": liveness != Liveness.AlwaysLive}
+    if spec is not None and spec.phased:
+        spec.check(stage_of_block)
+        phased = {"phase_of_stage": spec.phase_of_stage(), "serial": spec.serial,
+                  "activations_off_chip": spec.activations_off_chip}
     return Placement(stage_of_block, entered,
-                     pipelined=bool(getattr(strategy, "is_pipelined", True)), **phased)
+                     pipelined=spec.pipelined if spec is not None else True, **phased)
 
 
 def _map_tiles(program, target):

@@ -25,6 +25,11 @@ def _proportions(options):
     return given.get(0, 0.6)
 
 
+def _placement_spec(strategy):
+    """The execution strategy the face holds, handed down as plain data."""
+    return strategy.spec() if strategy is not None else None
+
+
 def output_mode(options, training):
     """The output mode a model runs with: ``Default`` is ``Final`` in
     training and ``All`` in inference, as in PopTorch."""
@@ -48,7 +53,8 @@ class CompileConfig:
     amp: object = 0.6                 # available memory proportion, or {IPU: proportion}
     allow_oom: bool = False           # Poplar's debug.allowOutOfMemory
     synthetic: bool = False           # enableSyntheticData: no host streams
-    strategy: object = None           # the execution strategy (stages, IPUs, phases)
+    placement: object = None          # passes.stages StagedSpec / PhasedSpec: the execution
+                                      # strategy as data (None: PopTorch's default)
     auto_round: bool = False          # autoRoundNumIPUs
     locations: dict = field(default_factory=dict)   # TensorLocations settings per kind
     io_tiles: int = 0
@@ -78,7 +84,7 @@ class CompileConfig:
             target=default_target(getattr(o, "ipu_model_version", None)),
             amp=_proportions(o), allow_oom=allow_out_of_memory(o),
             synthetic=bool(getattr(o, "synthetic_data", False)),
-            strategy=getattr(o, "execution_strategy", None),
+            placement=_placement_spec(getattr(o, "execution_strategy", None)),
             auto_round=bool(o.auto_round_num_ipus), locations=o.TensorLocations.settings(),
             io_tiles=o.TensorLocations.num_io_tiles, precision=precision_settings(o),
             recomputation=recomputation_type(o),
