@@ -231,5 +231,4 @@ def add_loss_scale_update(graph, s, clip):
     new.producer = op
     graph.ops.append(op)
     graph.outputs.append(new)
-    graph.loss_scale_update = True
     return op

@@ -59,4 +59,4 @@ def set_max_repeats(max_repeats):
 
 
 def apply(options):
-    set_max_repeats(options._values.get("max_repeat_logs", DEFAULT_MAX_REPEATS))
+    set_max_repeats(getattr(options, "max_repeat_logs", DEFAULT_MAX_REPEATS))
