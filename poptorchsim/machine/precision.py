@@ -206,7 +206,7 @@ def uses_half_partials(op):
 
 
 def mark_partials(graph, partials):
-    """Marks the matmuls and convolutions of ``graph`` (and its sub-graphs)
+    """In-place rewrite: marks the matmuls and convolutions of ``graph`` (and its sub-graphs)
     whose operands are fp16 with ``partials`` (``Op.partials``)."""
     for op in graph.ops:
         if op.cost_class in ("matmul", "conv") and any(

@@ -156,7 +156,7 @@ def tracked_gradients(graph, method=1):
 
 
 def mark_watched(graph):
-    """Marks every op of the backward pass computing an fp16 result (casts
+    """In-place rewrite: marks every op of the backward pass computing an fp16 result (casts
     included, views and in-place writes left out) with
     ``Op.watched``: the engine's gradient watch counts the values
     each one loses to underflow and overflow."""
@@ -176,7 +176,7 @@ def _new_op(graph, name, target, args, out, at, like, kwargs=None):
 
 
 def add_gradient_statistics(graph, s):
-    """Adds the histogram ops and their sum to ``graph`` (a training step);
+    """In-place rewrite: adds the histogram ops and their sum to ``graph`` (a training step);
     the ``[lower, upper]`` counts become its last output
     (``graph.statistics_outputs = 1``).  Raises PopART's error when no fp16
     gradient is tracked."""
@@ -213,7 +213,7 @@ def add_gradient_statistics(graph, s):
 
 
 def add_loss_scale_update(graph, s, clip):
-    """Adds PopART's loss-scale update op to ``graph`` (an optimizer
+    """In-place rewrite: adds PopART's loss-scale update op to ``graph`` (an optimizer
     update): inputs ``statistics`` ([lower, upper], summed over the weight
     update), ``lossScaleUpdateFactor``, ``lossScaling`` and the update
     counter are appended to its inputs, the new factor to its outputs.

@@ -67,7 +67,8 @@ def pipeline_stage_count(graph):
 
 
 def assign_stages(graph, stage_of_block, training):
-    """Sets ``op.stage`` and ``op.ipu``; returns {tensor id: (stage, ipu)}.
+    """In-place rewrite: sets ``op.stage`` and ``op.ipu`` of every op;
+    returns {tensor id: (stage, ipu)}.
 
     Ops carry the block they were traced in, forward and backward alike
     (capture switches blocks during the backward pass as the gradients cross
@@ -126,8 +127,9 @@ def check_shared_weights(graph, tied):
 
 
 def place_update(graph, ipu_of_param, stage_of_param=None):
-    """Optimizer-update ops run on the IPU that holds their parameter, in the
-    stage (and so the phase) of the parameter's first use."""
+    """In-place rewrite: optimizer-update ops run on the IPU that holds their
+    parameter, in the stage (and so the phase) of the parameter's first use
+    (sets ``op.ipu`` and ``op.stage``)."""
     stage_of_param = stage_of_param or {}
     placed = {}
     for t in graph.inputs:

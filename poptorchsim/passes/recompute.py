@@ -71,8 +71,9 @@ def default_mode(mode, pipelined_over_ipus):
 
 
 def plan(graph, mode, pipelined=False):
-    """Marks the ops of training-step ``graph`` that ``mode`` recomputes and
-    sets ``graph.recompute``; returns the ``Recomputation``."""
+    """In-place rewrite: marks the ops of training-step ``graph`` that
+    ``mode`` recomputes (``op.recompute``) and sets ``graph.recompute``;
+    returns the ``Recomputation``."""
     ops = graph.ops
     for op in ops:
         op.recompute = False

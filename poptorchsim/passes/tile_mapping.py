@@ -50,8 +50,9 @@ _INHERITS = ("view", "elementwise", "transcendental", "random")
 
 def map_graph(graph, target, cursor=None, variables=None, input_ipu=None, full_bytes=None,
               bound=None):
-    """Give every tensor of ``graph`` a ``mapping`` on the tile array of the IPU
-    that computes it; returns the next start tile of each IPU.
+    """In-place rewrite: gives every tensor of ``graph`` a ``mapping``
+    (``Tensor.mapping``) on the tile array of the IPU that computes it;
+    returns the next start tile of each IPU.
 
     ``variables`` (name -> Tensor) holds device variables mapped by earlier
     graphs: an input of the same name shares that tensor's mapping, and new
