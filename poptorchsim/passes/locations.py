@@ -14,7 +14,10 @@ reduce-scattered instead of all-reduced, each replica updates its shard, and
 the new weights are all-gathered.  Off-chip tensors are loaded from and
 stored to Streaming Memory around the graph that uses them.
 """
+import logging
 from dataclasses import dataclass
+
+from ..errors import Error
 
 # PopART's defaults for TensorLocationSettings.
 MIN_ELEMENTS_OFF_CHIP = 2
@@ -108,3 +111,25 @@ def place(variables, settings, replicas, sharded_state=(), accumulating=True):
                               or _setting(settings, kind, "useIOTilesToStore", 0))
             out[name] = Location(kind, numel, itemsize, off, shards, io)
     return out
+
+
+def check_settings(settings, io_tiles=0):
+    """PopART's checks of the TensorLocations settings before compiling:
+    IO tiles asked for must be allocated; activations only move off chip
+    with phased execution (a warning)."""
+    for kind, setting in settings.items():
+        # as in PopART, the IO tile set only concerns variables in Streaming
+        # Memory: on chip (the default) the setting has nothing to move
+        if setting.get("onChip", 1):
+            continue
+        for key in ("useIOTilesToLoad", "useIOTilesToStore"):
+            if setting.get(key) and not io_tiles:
+                raise Error(f"TensorLocations {kind} location asks {key}(True), but no IO "
+                            "tiles are allocated: allocate them with poptorch.Options()."
+                            "TensorLocations.numIOTiles(n) (32 or more), or drop "
+                            f"{key}.")
+    if settings.get("activation", {}).get("onChip", 1) == 0:
+        logging.getLogger("poptorchsim").warning(
+            "TensorLocations.setActivationLocation(useOnChipStorage(False)) only moves "
+            "activations with phased execution (SerialPhasedExecution or "
+            "ParallelPhasedExecution); activations stay on chip.")

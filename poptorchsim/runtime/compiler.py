@@ -30,7 +30,6 @@ The engine (``machine.engine``) then runs a call by walking the same
 ``VERIFY_EACH_PASS`` (on in the test suite) the verifier checks the IR after
 every pass.
 """
-import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -91,24 +90,47 @@ class Compiled:
     rounding: object = None           # machine.precision.Rounding (stochastic rounding)
     watch: object = None              # machine.precision.GradientWatch (fp16 gradients)
     auto_loss_scaling: object = None  # passes.loss_scaling.Settings
+    pass_seconds: dict = field(default_factory=dict)   # compile pass -> seconds it took
 
 
-def _checked(program, after):
-    """The verifier's check of ``program`` after the pass ``after``."""
-    if VERIFY_EACH_PASS:
-        verify_program(program, after=after)
-    return program
+class _Passes:
+    """A compile's bookkeeping: the progress bar, the seconds each pass took
+    (``Compiled.pass_seconds``) and, with ``VERIFY_EACH_PASS``, the
+    verifier's check of the program after each pass."""
+
+    def __init__(self, show=False):
+        self.bar = tqdm(total=5, desc="Graph compilation", disable=not show, leave=False,
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}]")
+        self.start = self.last = time.perf_counter()
+        self.seconds = {}
+
+    def stage(self, description):
+        self.bar.set_description(description)
+        self.bar.update(1)
+
+    def done(self, name, program=None):
+        """Pass ``name`` has run (and left ``program``, which is returned)."""
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now
+        if program is not None and VERIFY_EACH_PASS:
+            verify_program(program, after=name)
+        return program
+
+    def close(self):
+        self.bar.update(1)
+        self.bar.close()
+        return time.perf_counter() - self.start
 
 
 # -- the compile paths -----------------------------------------------------------------
 def compile_training(model, optimizer, args, kwargs, config):
     """``model`` and ``optimizer`` compiled for the example micro-batch
     ``args``/``kwargs`` under ``config`` (a ``runtime.config.CompileConfig``)."""
-    t0 = time.perf_counter()
     c = config
-    _check_locations(c.locations, c.io_tiles)
+    run = _Passes(c.show_progress)
+    tensor_locations.check_settings(c.locations, c.io_tiles)
     target = with_io_tiles(c.target, c.io_tiles)
-    bar = _progress(c.show_progress)
     _, plan = update_plan(optimizer, c.accumulation, c.running_mean, c.auto_loss_scaling)
     by_id = {id(p): n for n, p in model.named_parameters()}
     in_optimizer = {by_id[id(p)] for g in optimizer.param_groups for p in g["params"]
@@ -118,75 +140,81 @@ def compile_training(model, optimizer, args, kwargs, config):
         with float_statistics_forward(model, c.precision):
             return capture_training(model, args, kwargs, in_optimizer, stack_traces=stack_traces,
                                     loss_scaling=plan.loss_scaling)
-    bar.set_description("Tracing"); bar.update(1)
-    capture = trace(floating_point_checks(c.precision))                          # 1
+    run.stage("Tracing")
+    capture = trace(floating_point_checks(c.precision))                               # 1
     overlap = _check_overlap(capture, c.placement, c.io_tiles)
-    bar.set_description("Lowering"); bar.update(1)
-    step = _lower_model(capture, "training_step", lambda: trace(True))         # 2
+    run.done("trace")
+    run.stage("Lowering")
+    step = _lower_model(capture, "training_step", lambda: trace(True))                # 2
+    run.done("lower")
     shards = sharded_state(model, optimizer, capture, c.locations, c.total_replicas, plan)
     unit_scale = c.accumulation * c.total_replicas == 1 and not plan.loss_scaling
-    update = build_update(model, optimizer, capture, plan, shards, unit_scale)  # 3
+    update = build_update(model, optimizer, capture, plan, shards, unit_scale)         # 3
     numeric, numeric_shards = numeric_update(model, optimizer, capture, plan, shards,
                                              update, unit_scale)
-    program = _program("training", {"training_step": step,
-                                    "optimizer_update": update.graph}, capture, overlap, c,
-                       sharded_state=set(shards))
-    program = _checked(program, "lower")
-    program = _checked(place(program, step, _placement(c.placement, capture, step),          # 4
-                             capture.tied, training=True, auto_round=c.auto_round),
-                       "place stages")
-    recompute.plan(step, recompute.default_mode(                                          # 5
+    program = run.done("optimizer update", _program(
+        "training", {"training_step": step, "optimizer_update": update.graph}, capture,
+        overlap, c, sharded_state=set(shards)))
+    program = run.done("place stages", place(                                          # 4
+        program, step, _placement(c.placement, capture, step), capture.tied, training=True,
+        auto_round=c.auto_round))
+    recompute.plan(step, recompute.default_mode(                                       # 5
         c.recomputation, program.pipelined and program.n_ipus > 1), program.pipelined)
-    program = _checked(program, "recompute")
-    watch = watch_gradients(program, model, c.auto_loss_scaling)                          # 6
+    program = run.done("recompute", program)
+    watch = watch_gradients(program, model, c.auto_loss_scaling)                       # 6
     if numeric is not update and c.auto_loss_scaling:
         add_scale_update(numeric.graph, model, c.auto_loss_scaling)
-    program = _checked(program, "watch gradients")
-    place_update(update.graph, input_ipus(step), input_stages(step))                      # 7
-    bar.set_description("Tile mapping"); bar.update(1)
-    program = _checked(_map_tiles(program, target), "map tiles")                          # 8
-    rounding = apply_precision(c.precision, [step, update.graph]                           # 9
+    program = run.done("watch gradients", program)
+    place_update(update.graph, input_ipus(step), input_stages(step))                   # 7
+    program = run.done("place update", program)
+    run.stage("Tile mapping")
+    program = run.done("map tiles", _map_tiles(program, target))                       # 8
+    rounding = apply_precision(c.precision, [step, update.graph]                        # 9
                                + ([numeric.graph] if numeric is not update else []))
-    program, costs, memory, cycles, schedule = _plan(program, target, c, bar)          # 10-14
-    step_fn, update_fn = compile_graph(step), compile_graph(numeric.graph)               # 15
-    bar.update(1); bar.close()
+    program = run.done("precision", program)
+    program, costs, memory, cycles, schedule = _plan(program, target, c, run)       # 10-14
+    step_fn, update_fn = compile_graph(step), compile_graph(numeric.graph)            # 15
+    run.done("generate code")
     return Compiled(capture, program, target, memory, costs, cycles, step_fn, update_fn,
-                    plan.kind, numeric.group_of, numeric.flags, time.perf_counter() - t0,
+                    plan.kind, numeric.group_of, numeric.flags, run.close(),
                     plan.max_grad_norm, numeric_shards, plan, numeric.slots, numeric.layouts,
                     schedule=schedule, location_settings=c.locations, precision=c.precision,
-                    rounding=rounding, watch=watch, auto_loss_scaling=c.auto_loss_scaling)
+                    rounding=rounding, watch=watch, auto_loss_scaling=c.auto_loss_scaling,
+                    pass_seconds=run.seconds)
 
 
 def compile_inference(model, args, kwargs, config):
     """``model``'s forward compiled for the example micro-batch under ``config``."""
-    t0 = time.perf_counter()
     c = config
-    _check_locations(c.locations, c.io_tiles)
+    run = _Passes(c.show_progress)
+    tensor_locations.check_settings(c.locations, c.io_tiles)
     target = with_io_tiles(c.target, c.io_tiles)
-    bar = _progress(c.show_progress)
 
     def trace(stack_traces):
         with float_statistics_forward(model, c.precision):
             return capture_inference(model, args, kwargs, stack_traces=stack_traces)
-    bar.set_description("Tracing"); bar.update(1)
-    capture = trace(floating_point_checks(c.precision))                          # 1
+    run.stage("Tracing")
+    capture = trace(floating_point_checks(c.precision))                               # 1
     overlap = _check_overlap(capture, c.placement, c.io_tiles)
-    bar.set_description("Lowering"); bar.update(1)
-    graph = _lower_model(capture, "inference_forward", lambda: trace(True))     # 2
-    program = _checked(_program("inference", {"inference_forward": graph}, capture,
-                                overlap, c), "lower")
-    program = _checked(place(program, graph, _placement(c.placement, capture, graph),      # 4
-                             capture.tied, training=False, auto_round=c.auto_round),
-                       "place stages")
-    bar.set_description("Tile mapping"); bar.update(1)
-    program = _checked(_map_tiles(program, target), "map tiles")                          # 8
-    rounding = apply_precision(c.precision, [graph])                                      # 9
-    program, costs, memory, cycles, schedule = _plan(program, target, c, bar)          # 10-14
-    fn = compile_graph(graph)                                                             # 15
-    bar.update(1); bar.close()
+    run.done("trace")
+    run.stage("Lowering")
+    graph = _lower_model(capture, "inference_forward", lambda: trace(True))          # 2
+    program = run.done("lower", _program("inference", {"inference_forward": graph},
+                                         capture, overlap, c))
+    program = run.done("place stages", place(                                          # 4
+        program, graph, _placement(c.placement, capture, graph), capture.tied,
+        training=False, auto_round=c.auto_round))
+    run.stage("Tile mapping")
+    program = run.done("map tiles", _map_tiles(program, target))                       # 8
+    rounding = apply_precision(c.precision, [graph])                                   # 9
+    program = run.done("precision", program)
+    program, costs, memory, cycles, schedule = _plan(program, target, c, run)       # 10-14
+    fn = compile_graph(graph)                                                          # 15
+    run.done("generate code")
     return Compiled(capture, program, target, memory, costs, cycles, fn,
-                    compile_seconds=time.perf_counter() - t0, schedule=schedule,
-                    location_settings=c.locations, precision=c.precision, rounding=rounding)
+                    compile_seconds=run.close(), schedule=schedule,
+                    location_settings=c.locations, precision=c.precision, rounding=rounding,
+                    pass_seconds=run.seconds)
 
 
 def rebuild_update(compiled, model, optimizer, config):
@@ -217,7 +245,7 @@ def rebuild_update(compiled, model, optimizer, config):
     place_update(update.graph, input_ipus(step), input_stages(step))
     program = _map_tiles(program, compiled.target)
     (compiled.program, compiled.costs, compiled.memory, compiled.cycles,
-     compiled.schedule) = _plan(program, compiled.target, c)
+     compiled.schedule) = _plan(program, compiled.target, c, _Passes())
     compiled.shards = numeric_shards
     compiled.update_fn = compile_graph(numeric.graph)
     compiled.optimizer_kind, compiled.group_of, compiled.flags = (plan.kind, numeric.group_of,
@@ -238,11 +266,6 @@ def estimate_with_branches(compiled, taken):
 
 
 # -- the steps ----------------------------------------------------------------------------
-def _progress(show):
-    return tqdm(total=5, desc="Graph compilation", disable=not show, leave=False,
-                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}]")
-
-
 def _lower_model(capture, name, recapture):
     """The model's graph lowered.  When it holds operations the IPU cannot
     run (or ops outside any pipeline block), the model is traced again
@@ -329,25 +352,6 @@ def _check_overlap(capture, spec, io_tiles):
     return inputs, outputs
 
 
-def _check_locations(settings, io_tiles=0):
-    for kind, setting in settings.items():
-        # as in PopART, the IO tile set only concerns variables in Streaming
-        # Memory: on chip (the default) the setting has nothing to move
-        if setting.get("onChip", 1):
-            continue
-        for key in ("useIOTilesToLoad", "useIOTilesToStore"):
-            if setting.get(key) and not io_tiles:
-                raise Error(f"TensorLocations {kind} location asks {key}(True), but no IO "
-                            "tiles are allocated: allocate them with poptorch.Options()."
-                            "TensorLocations.numIOTiles(n) (32 or more), or drop "
-                            f"{key}.")
-    if settings.get("activation", {}).get("onChip", 1) == 0:
-        logging.getLogger("poptorchsim").warning(
-            "TensorLocations.setActivationLocation(useOnChipStorage(False)) only moves "
-            "activations with phased execution (SerialPhasedExecution or "
-            "ParallelPhasedExecution); activations stay on chip.")
-
-
 def _placement(spec, capture, graph):
     """The execution strategy's block-to-stage assignment for the traced
     blocks, as ``passes.placement.Placement``.  ``spec``: the strategy as
@@ -399,7 +403,7 @@ def _map_tiles(program, target):
     return program
 
 
-def _plan(program, target, c, bar=None):
+def _plan(program, target, c, run):
     """Costs per op, tensor locations, the control program, the memory
     report of every IPU (checked) and the cycle estimate (steps 10-14).
     Returns (program, costs, memory of IPU 0 with ``.ipus`` = all, cycles,
@@ -409,17 +413,20 @@ def _plan(program, target, c, bar=None):
     costs = {name: [op_cost(op, target, amp.get(op.ipu, 0.6) if isinstance(amp, dict) else amp)
                     for op in g.ops]
              for name, g in program.graphs.items()}                                     # 10
-    if bar is not None:
-        bar.set_description("Memory planning"); bar.update(1)
+    run.done("op costs")
+    run.stage("Memory planning")
     program.locations = tensor_locations.place(                                          # 11
         program.variables, c.locations or {}, program.total_replicas, program.sharded_state,
         accumulating=program.accumulation > 1)
-    program = _checked(build_main(program), "control program")                          # 12
+    program = run.done("locate", program)
+    program = run.done("control program", build_main(program))                         # 12
     reports = [plan_memory(program, program.variables, target, costs, ipu, program.locations)
                for ipu in range(program.n_ipus)]                                         # 13
     for report in reports:
         check_fits(report, target, c.allow_oom, program.n_ipus)
     memory = reports[0]
     memory.ipus = reports
+    run.done("memory")
     cycles, schedule = estimate(program, costs, target)                                  # 14
+    run.done("estimate")
     return program, costs, memory, cycles, schedule
