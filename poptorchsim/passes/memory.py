@@ -40,6 +40,8 @@ class MemoryReport:
     recomputation: str = "None"
     recomputed_ops: list = field(default_factory=list)
     not_always_live_without_recomputation: np.ndarray = None
+    # every IPU's report, on IPU 0's (runtime/compiler.py sets it)
+    ipus: list = field(default_factory=list)
 
     @property
     def saved_per_tile(self):

@@ -96,14 +96,14 @@ def build_report(compiled, name, samples_per_call):
         "ipus": [{"ipu": r.ipu, "peak_tile": int(np.argmax(r.total)),
                   "peak_bytes": int(r.total.max()), "fits": bool(r.total.max() <= r.capacity),
                   "total": r.total.tolist()}
-                 for r in getattr(memory, "ipus", [memory])],
+                 for r in (memory.ipus or [memory])],
     }
 
 
 def _recomputation(memory, cycles):
     """The recomputation mode, the ops it recomputes, what it saves at the
     peak tile and what it costs (cycles per call), or None when off."""
-    ops = getattr(memory, "recomputed_ops", None) or []
+    ops = memory.recomputed_ops or []
     if not ops:
         return None
     without = memory.not_always_live_without_recomputation
