@@ -2,7 +2,7 @@
 
 SGD, Adam, AdamW and RMSprop are ``torch.optim`` optimizers with PopTorch's
 extra arguments; LAMB is PopTorch's own (with a CPU ``step()``).  On the
-simulated IPU they run as the compiled update (``capture/optimizers.py``):
+simulated IPU they run as the compiled update (``capture/update_rules.py``):
 
 * ``loss_scaling`` multiplies the loss before the backward pass and divides
   the gradients in the update, so float16 gradients underflow and overflow
@@ -93,6 +93,10 @@ class Optimizer:
     (read from the device first when the optimizer belongs to a compiled
     training model) next to torch's own state dict, so learning-rate
     schedulers keep working.  ``load_state_dict`` takes such a dict only."""
+
+    # Marks this class for runtime.optimizer_checks.AttributeTracker: a direct
+    # subclass of it is one of PopTorch's optimizers (runtime may not import the face)
+    _poptorchsim_optimizer_base = True
 
     # Attributes PopTorch stores on the optimizer, not in param_groups.
     _child_vars: List[str] = ["loss_scaling"]

@@ -29,7 +29,7 @@ from ..errors import DataDependentError, DtypeError, Error, InputError, LossErro
 from . import blocks as _blocks
 from . import losses as _losses
 from . import scopes as _scopes
-from . import optimizers as _opt
+from . import update_rules as _opt
 from .decompositions import decompositions, tracing_backends
 from .mixed_precision import MixedPrecision
 

@@ -265,10 +265,11 @@ def _inputs_text(inputs, describe):
 def _optimizer_text(model, optimizer):
     if optimizer is None:
         return "none"
-    from ..capture import optimizers as opt_rules
+    from ..capture.update_rules import plan_update
+    from .optimizer_checks import read_settings
     # the structure of the update (type, flags, state types, loss scaling,
     # clipping); gradient accumulation and the reduction are in the options
-    plan = opt_rules.plan_update(optimizer, opt_rules.read_settings(optimizer))
+    plan = plan_update(optimizer, read_settings(optimizer))
     names = {id(p): n for n, p in model.named_parameters()}
     groups = [[names.get(id(p), "?") for p in g["params"]] for g in optimizer.param_groups]
     return f"{plan!r} {groups!r}"

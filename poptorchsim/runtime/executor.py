@@ -14,11 +14,11 @@ import torch
 import torch.utils._pytree as pytree
 
 from .. import enums
-from ..capture import optimizers as opt_rules
 from ..capture.scopes import module_name_scopes
 from ..errors import Error, FloatingPointException
 from ..machine.engine import Accumulation, Engine, OutputCollector
 from . import cache, compiler, export, log_repeats, observe
+from . import optimizer_checks as opt_checks
 from .config import CompileConfig, output_mode
 from .engine_options import profiling_directory
 from .inputs import ModelInputs
@@ -73,7 +73,7 @@ class PoplarExecutor:
         self._observe = observe.Observation(options, self._output_mode)    # anchors, cycles
         self._gradients = GradientMonitor()     # fp16 gradients, automatic loss scaling
         self._opt_settings = None       # the optimizer as the compiled update has it
-        self._attribute_tracker = opt_rules.AttributeTracker(options.relax_optimizer_checks)
+        self._attribute_tracker = opt_checks.AttributeTracker(options.relax_optimizer_checks)
         if training and optimizer is not None:
             self._adopt_optimizer(optimizer)
 
@@ -311,7 +311,7 @@ class PoplarExecutor:
             optimizer._use_on_device(self)
 
     def _check_running_mean(self, optimizer):
-        if opt_rules.needs_running_mean(optimizer):
+        if opt_checks.needs_running_mean(optimizer):
             t = self._options.Training
             if self._compiled is None:
                 self._options._unfreeze()
@@ -384,7 +384,7 @@ class PoplarExecutor:
         optimizer type, or the same type in another mode (Adam and AdamW,
         SGD's separate and combined variants), is refused as PopART refuses
         it, the model unchanged."""
-        opt_rules.optimizer_type(optimizer)
+        opt_checks.optimizer_type(optimizer)
         self._check_running_mean(optimizer)     # PopTorch's ValueError comes first
         if self._compiled is None:
             self._adopt_optimizer(optimizer)
@@ -393,8 +393,8 @@ class PoplarExecutor:
         c = self._compiled
         settings, plan = update_plan(optimizer, c.program.accumulation,
                                      self._config.running_mean, self._config.auto_loss_scaling)
-        opt_rules.check_same_type(self._opt_settings.type, settings.type)
-        opt_rules.check_replacement(self._opt_settings, settings, self._group_tensor_names())
+        opt_checks.check_same_type(self._opt_settings.type, settings.type)
+        opt_checks.check_replacement(self._opt_settings, settings, self._group_tensor_names())
         check_loss_scaling(c, plan)
         self._adopt_optimizer(optimizer)
         new_object = optimizer is not self._optimizer

@@ -1,23 +1,25 @@
 """The optimizer update's graph: built from the optimizer's rules
-(``capture/optimizers.py``) over the trainable parameters, lowered, with the
+(``capture/update_rules.py``) over the trainable parameters, lowered, with the
 host's scalar arithmetic marked; its sharding over replicas and the
 loss-scale update automatic loss scaling adds to it."""
 from dataclasses import dataclass
 
-from ..capture import optimizers as opt_rules
 from ..capture.trace import ParamUpdate, capture_update
+from ..capture.update_rules import plan_update
 from ..errors import Error
 from ..passes import locations as tensor_locations
 from ..passes.host_scalars import mark_host_scalars
 from ..passes.lower import lower, mark_role
+from . import optimizer_state as opt_layout
+from .optimizer_checks import read_settings
 
 
 def update_plan(optimizer, ga, running_mean=False, auto_loss_scaling=False):
     """(Settings, UpdatePlan) of ``optimizer`` for a program accumulating ``ga``
     micro-batches per update."""
-    read = opt_rules.read_settings(optimizer, bool(auto_loss_scaling))
-    return read, opt_rules.plan_update(optimizer, read, accumulating=ga > 1,
-                                       running_mean=running_mean)
+    read = read_settings(optimizer, bool(auto_loss_scaling))
+    return read, plan_update(optimizer, read, accumulating=ga > 1,
+                             running_mean=running_mean)
 
 
 def max_grad_norm(optimizer):
@@ -54,12 +56,12 @@ def build_update(model, optimizer, capture, plan, shards=None, unit_scale=False)
     for n, grp in zip(names, group_of):
         p = params[n]
         shape = (-(-p.numel() // shards[n]),) if n in shards else tuple(p.shape)
-        read, written = opt_rules.slots(plan.kind, plan.group_flags(grp))
+        read, written = opt_layout.slots(plan.kind, plan.group_flags(grp))
         slots.append((read, written))
         layouts.append(ParamUpdate(
-            shape, p.dtype, opt_rules.grad_dtype(plan, p.dtype), grp,
-            tuple((s.name, opt_rules.slot_dtype(plan, s, p.dtype)) for s in read),
-            tuple((s.name, opt_rules.slot_dtype(plan, s, p.dtype)) for s in written)))
+            shape, p.dtype, opt_layout.grad_dtype(plan, p.dtype), grp,
+            tuple((s.name, opt_layout.slot_dtype(plan, s, p.dtype)) for s in read),
+            tuple((s.name, opt_layout.slot_dtype(plan, s, p.dtype)) for s in written)))
     n_groups = len(optimizer.param_groups)
     update_fx = capture_update(plan, layouts, n_groups, unit_scale)
     grad = "velocity" if plan.into_state else "grad"     # SGD1: the combined tensor

@@ -14,10 +14,11 @@ folded into ``grad_scale`` (the update divides the gradients by it).
 import torch
 
 from .. import enums
-from ..capture import optimizers as opt_rules
 from ..machine.engine import shard, unshard
 from ..machine.precision import LossScale
+from . import optimizer_state as opt_layout
 from .host_memory import keep_freed_memory
+from .optimizer_checks import read_settings
 
 
 class DeviceState:
@@ -125,7 +126,7 @@ class DeviceWeights:
                 replica[order.index(name)] = value.clone()
 
     def _settings(self, optimizer):
-        return opt_rules.read_settings(optimizer, self.options.Training.auto_loss_scaling)
+        return read_settings(optimizer, self.options.Training.auto_loss_scaling)
 
     def load_optimizer_state(self, compiled, optimizer):
         """Host -> device: the optimizer state, from torch's state of each
@@ -136,14 +137,14 @@ class DeviceWeights:
         st = self.state
         params = dict(self.model.named_parameters())
         settings = self._settings(optimizer)
-        values = [opt_rules.group_values(c.plan, settings, g) for g in range(settings.groups)]
-        ls = opt_rules.loss_scale(settings)
+        values = [opt_layout.group_values(c.plan, settings, g) for g in range(settings.groups)]
+        ls = opt_layout.loss_scale(settings)
         st.opt_state, st.steps = [], []
         for n, grp, (_, written) in zip(c.capture.trainable_names, c.group_of, c.slots):
             p = params[n]
             torch_state = optimizer.state.get(p, {})
-            slots = [opt_rules.initial_slot(c.plan, s, p, torch_state, values[grp], grp, ls,
-                                            opt_rules.slot_dtype(c.plan, s, p.dtype))
+            slots = [opt_layout.initial_slot(c.plan, s, p, torch_state, values[grp], grp, ls,
+                                             opt_layout.slot_dtype(c.plan, s, p.dtype))
                      for s in written]
             step = torch_state.get("step")
             if step is None:
@@ -164,8 +165,8 @@ class DeviceWeights:
         o = self.options
         plan = compiled.plan
         settings = self._settings(optimizer)
-        values = [opt_rules.group_values(plan, settings, g) for g in range(settings.groups)]
-        base = opt_rules.loss_scale(settings)
+        values = [opt_layout.group_values(plan, settings, g) for g in range(settings.groups)]
+        base = opt_layout.loss_scale(settings)
         ls = self._final_loss_scale(compiled, base)     # times automatic loss scaling's factor
         hyper = [torch.tensor(v[h], dtype=torch.float64) for v in values for h in plan.hyper]
         # SGD's velocity is kept multiplied by the optimizer's loss scaling
@@ -186,7 +187,7 @@ class DeviceWeights:
         self.state.step_extra = ([torch.tensor(ls, dtype=torch.float32)]
                                  if compiled.capture.loss_scaling else [])
         self.state.combined_scale = (
-            [opt_rules.combined_scale(plan, values[g], g, mean_factor, ls)
+            [opt_layout.combined_scale(plan, values[g], g, mean_factor, ls)
              for g in compiled.group_of] if plan.into_state else None)
 
     def _final_loss_scale(self, compiled, loss_scaling):
@@ -241,8 +242,8 @@ class DeviceWeights:
         settings = self._settings(optimizer)
         ipu_param = {}
         for n, grp in zip(c.capture.trainable_names, c.group_of):
-            for prefix, value in opt_rules.popart_params(c.plan, settings, grp, values[grp],
-                                                         ls, reduction):
+            for prefix, value in opt_layout.popart_params(c.plan, settings, grp, values[grp],
+                                                          ls, reduction):
                 ipu_param[f"{prefix}specific___{n}"] = torch.tensor(value)
         ipu_param["lossScaling_FLOAT"] = torch.tensor(ls)
         return ipu_param
@@ -300,7 +301,7 @@ class DeviceWeights:
             entry = optimizer.state[p]
             for s, v in zip(written, slots):
                 v = unshard(v, p.shape) if n in c.shards else v
-                key, value = opt_rules.host_slot(c.plan, s, v, values[grp], grp, ls)
+                key, value = opt_layout.host_slot(c.plan, s, v, values[grp], grp, ls)
                 entry[key] = value
             if c.plan.kind not in ("sgd", "sgd_combined"):
                 entry["step"] = step.clone()
