@@ -1,0 +1,86 @@
+"""The house rules of ARCHITECTURE.md, checked on the source.
+
+Imports run downward: nothing under capture/, ir/, passes/, machine/,
+runtime/, profiling/ or distributed/ imports the face (the PopTorch API
+modules at the top level and their private machinery in ``_api/``), except
+its shared vocabulary (``errors``, ``enums``, ``version``).  Nothing below
+the face reads an ``Options`` object's private ``_values``: the runtime
+resolves options once into ``runtime.config.CompileConfig``.  The compiler
+driver stays a short, ordered list of passes.
+"""
+import ast
+import pathlib
+
+import pytest
+
+import poptorchsim
+
+PACKAGE = pathlib.Path(poptorchsim.__file__).parent
+BELOW_FACE = ("capture", "ir", "passes", "machine", "runtime", "profiling", "distributed")
+SHARED = {"errors", "enums", "version"}
+
+
+def _modules():
+    for layer in BELOW_FACE:
+        for path in sorted((PACKAGE / layer).rglob("*.py")):
+            yield path
+
+
+def _face_imports(path, root=PACKAGE):
+    """(line, module) for each import of a face module in ``path`` (a file
+    of the package at ``root``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    depth = len(path.relative_to(root).parts) - 1      # packages below the top
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level != depth + 1:
+                continue                 # within its layer
+            top = (node.module or "").split(".")[0]
+            names = ([f"poptorchsim.{top}"] if top
+                     else [f"poptorchsim.{a.name}" for a in node.names])
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] != "poptorchsim":
+                continue
+            if len(parts) == 1 or (parts[1] not in SHARED and parts[1] not in BELOW_FACE):
+                found.append((node.lineno, parts[1] if len(parts) > 1 else name))
+    return found
+
+
+def test_nothing_below_the_face_imports_it():
+    offenders = [f"{path.relative_to(PACKAGE)}:{line} imports {name}"
+                 for path in _modules() for line, name in _face_imports(path)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_checker_sees_a_face_import(tmp_path):
+    """The check above can fail: a runtime module importing the options is caught."""
+    (tmp_path / "runtime").mkdir()
+    fake = tmp_path / "runtime" / "probe.py"
+    fake.write_text("from ..options import Options\nfrom .. import errors, optim\n"
+                    "from . import cache\nfrom ..passes import memory\n"
+                    "import poptorchsim.annotations\n")
+    assert [n for _, n in _face_imports(fake, tmp_path)] == ["options", "optim",
+                                                            "annotations"]
+
+
+def test_nothing_below_the_face_reads_options_private_values():
+    offenders = []
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "_values":
+                offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not offenders, "options._values read below the face: " + ", ".join(offenders)
+
+
+@pytest.mark.parametrize("name, limit", [("runtime/compiler.py", 450)])
+def test_the_compiler_driver_stays_short(name, limit):
+    lines = (PACKAGE / name).read_text().count("\n")
+    assert lines <= limit, f"{name} has {lines} lines: move work into passes/ or machine/"
