@@ -189,7 +189,7 @@ class Options(_OptionsDict):
         and the last stage's outputs stream while the other IPUs compute (a
         replica on several IPUs).  ``ReplicaAndLadder``: replicas do their
         host IO without syncing each other, so one replica's IO overlaps the
-        others' compute (with replication).  See ``runtime/compiler.py``
+        others' compute (with replication).  See ``machine/program_cost.py``
         ``_host_seconds``; with one IPU and one replica they all cost the
         same, as on the device."""
         assert isinstance(sync_pattern, enums.SyncPattern), (
