@@ -280,3 +280,8 @@ class Program:
 
     def __str__(self):
         return FORMATTERS["program"](self)
+
+
+# the closed set of control steps: the engine and the estimate have one rule each
+STEP_KINDS = (Sequence, Repeat, Call, HostToDevice, DeviceToHost, AllReduce, ReduceScatter,
+              AllGather, RemoteLoad, RemoteStore)

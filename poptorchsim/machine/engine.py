@@ -32,6 +32,8 @@ The graphs themselves run as generated Python (``codegen.compile_graph``).
 """
 import torch
 
+from ..ir.graph import STEP_KINDS
+
 
 class OutputCollector:
     """Keeps the outputs that the output mode streams back to the host."""
@@ -158,6 +160,8 @@ class Engine:
         # writes); None: all of them, both ways
         self.slot_counts = None
         self.accumulation = None    # an Accumulation; None: plain sums
+        # the rule for each kind of control step (a subclass may override one)
+        self._rules = {kind: getattr(self, "_" + kind.__name__) for kind in STEP_KINDS}
 
     def run(self, program, state, inputs, collector):
         """One call of ``program`` on ``state`` (params, buffers per replica;
@@ -171,6 +175,7 @@ class Engine:
             program, state, inputs, collector)
         self._counters = {}
         self._update = None
+        self._scale = getattr(state, "loss_scale", None)   # automatic loss scaling
         try:
             with torch.no_grad():
                 self._walk(program.main)
@@ -179,7 +184,7 @@ class Engine:
         return collector.result()
 
     def _walk(self, step):
-        getattr(self, "_" + type(step).__name__)(step)
+        self._rules[type(step)](step)
 
     # -- control -----------------------------------------------------------------
     def _Sequence(self, step):
@@ -237,7 +242,7 @@ class Engine:
         n_train, n_buf = state.n_trainable, len(state.buffers[0])
         outs = self.step_fn(state.params + state.buffers[r]
                             + [x[i, g, r] for x in self._inputs] + u.extra)
-        if getattr(state, "loss_scale", None) is not None:       # the gradient statistics
+        if self._scale is not None:       # the gradient statistics
             u.stats = outs[-1] if u.stats is None else u.stats + outs[-1]
             outs = outs[:-1]
         n_out = len(outs) - n_train - n_buf
