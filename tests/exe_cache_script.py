@@ -38,7 +38,7 @@ def training_run(options):
         x, y = classification_batch(4, seed=seed)
         losses.append(float(training(x, y)[1]))
         ref_losses.append(float(reference_call(reference, ref_opt, (x, y))[1].reshape(())))
-    return {"loaded_from": getattr(training._compiled, "loaded_from", None),
+    return {"loaded_from": training._compiled.loaded_from,
             "losses": losses, "reference_losses": ref_losses,
             "weights": model.fc1.weight.tolist(),
             "reference_weights": reference.fc1.weight.tolist()}

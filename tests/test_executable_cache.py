@@ -135,7 +135,7 @@ def test_a_bad_cache_file_is_logged_and_recompiled(tmp_path, monkeypatch, warnin
             path.write_bytes(cache.pack(compiled, key))
     model = _training(options=opts)
     out = model(x, y)
-    assert getattr(model._compiled, "loaded_from", None) is None      # compiled again
+    assert model._compiled.loaded_from is None      # compiled again
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert any(str(path) in w and "Compiling the model again" in w for w in warnings)
     if damage == "other build":
@@ -388,6 +388,6 @@ def test_a_program_calling_host_functions_is_not_cached(tmp_path):
     assert not any(tmp_path.iterdir())
     again = poptorch.inferenceModel(model, opts)
     torch.testing.assert_close(again(x), out)
-    assert getattr(again._compiled, "loaded_from", None) is None
+    assert again._compiled.loaded_from is None
     with torch.no_grad():
         torch.testing.assert_close(out, model.fc(x) * 2)

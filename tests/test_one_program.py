@@ -9,6 +9,7 @@ loops around it say, for training and inference, pipelined, replicated with
 sharded optimizer state, with variables in Streaming Memory and phased.
 """
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -153,6 +154,8 @@ def test_printed_executed_and_costed_program_are_one(case, monkeypatch):
     for s in frames:
         assert printer.format_step(s) in text
     assert cycles["total"] > 0
+    # every attribute of the compiled executable is a declared field
+    assert set(vars(compiled)) == {f.name for f in dataclasses.fields(compiled)}
 
 
 def _kinds(program):

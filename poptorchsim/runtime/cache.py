@@ -336,8 +336,6 @@ def dumps(compiled):
         example_inputs=[torch.empty(t.shape, dtype=t.dtype, device="meta")
                         for t in compiled.capture.example_inputs])
     stored = dataclasses.replace(compiled, capture=capture, step_fn=None, update_fn=None)
-    stored.__dict__.update({k: v for k, v in vars(compiled).items()
-                            if k not in vars(stored)})
     buffer = io.BytesIO()
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 100_000))    # IR tensors point at their producers

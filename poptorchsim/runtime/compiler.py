@@ -91,6 +91,7 @@ class Compiled:
     watch: object = None              # machine.precision.GradientWatch (fp16 gradients)
     auto_loss_scaling: object = None  # passes.loss_scaling.Settings
     pass_seconds: dict = field(default_factory=dict)   # compile pass -> seconds it took
+    loaded_from: str = None           # the executable cache file it was read from, if any
 
 
 class _Passes:
