@@ -68,7 +68,7 @@ def write_plot(rows, passes, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.8))
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(rows) + 2.2))
     left = [0.0] * len(rows)
     cmap = plt.get_cmap("tab20")
     for k, p in enumerate(passes):
@@ -78,7 +78,7 @@ def write_plot(rows, passes, path):
     ax.set_xlabel("compile seconds (training, this machine)")
     ax.set_title("Compile time by pass")
     ax.invert_yaxis()
-    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=120)
