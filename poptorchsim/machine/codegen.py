@@ -170,7 +170,7 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
             glb[fn] = host_kernel(op, kernel_for(kernel, op_args, op.kwargs), rounding, into)
             if watch is not None and op.watched:
                 glb[fn] = watch.wrap(op, glb[fn], kernel_for(op.target, list(op.args),
-                                                             op.kwargs))
+                                                             op.kwargs), rounding)
         call = f"{fn}({', '.join(args)})"
         check = ""
         if fp_checks and checked(op):

@@ -22,6 +22,8 @@ kernel unchanged, so fp16 results equal PyTorch's CPU fp16 bit for bit.
   partials (the default) are PyTorch's CPU fp16 matmul: fp32 accumulation,
   one rounding at the end.
 """
+import math
+
 import torch
 from torch.utils import _pytree as pytree
 
@@ -76,6 +78,16 @@ def _widen(x):
     if x is HALF:
         return torch.float32
     return x
+
+
+def _widen_all(x):
+    """``_widen`` over the arguments of an op (tensors, dtypes, lists and
+    tuples of them, scalars), without pytree's generality."""
+    if isinstance(x, torch.Tensor):
+        return x.float() if x.dtype == HALF else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_widen_all(y) for y in x)
+    return torch.float32 if x is HALF else x
 
 
 def _has_half(tree):
@@ -216,6 +228,30 @@ def mark_partials(graph, partials):
             mark_partials(sub, partials)
 
 
+# fp16 kernels PyTorch's CPU build runs far slower than the same op in fp32
+# (measured: pow 6.7x, tanh 2.7x, convolution_backward 96x; benchmarks/
+# host_speed.py): computed in fp32 and rounded to nearest fp16, which is
+# what they compute in fp16 (pow, tanh: the same values) or closer to it
+# (convolution_backward: one rounding, where the fp16 kernel rounds partial
+# sums)
+SLOW_IN_HALF = {aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar,
+                aten.tanh.default, aten.convolution_backward.default}
+
+
+def in_fp32(kernel, out_dtypes):
+    """``kernel`` computed on fp16 operands widened to fp32, its results
+    rounded to nearest in the dtypes the trace gave them."""
+    def run(*args, **kwargs):
+        if not _has_half((args, kwargs)):
+            return kernel(*args, **kwargs)
+        wide = kernel(*_widen_all(args), **{k: _widen_all(v) for k, v in kwargs.items()})
+        if isinstance(wide, torch.Tensor):
+            return wide.to(out_dtypes[0]) if out_dtypes[0] is not None else wide
+        return type(wide)(w.to(d) if isinstance(w, torch.Tensor) and d is not None else w
+                          for w, d in zip(wide, out_dtypes))
+    return run
+
+
 def host_kernel(op, kernel, rounding=None, into=False):
     """The host function the engine calls for ``op``: ``kernel``, or its
     half-partials form, or (with stochastic ``rounding``) ``kernel``
@@ -224,9 +260,11 @@ def host_kernel(op, kernel, rounding=None, into=False):
     runs in place (its result is written into its first operand)."""
     if uses_half_partials(op) and half_partials_kernel(op.target) is not None:
         return half_partials_kernel(op.target)
+    dtypes = [t.dtype if t is not None else None for t in op.outputs]
     if rounding is not None and rounds_stochastically(op):
-        return with_stochastic_rounding(
-            kernel, [t.dtype if t is not None else None for t in op.outputs], rounding, into)
+        return with_stochastic_rounding(kernel, dtypes, rounding, into)
+    if op.target in SLOW_IN_HALF and HALF in dtypes:
+        return in_fp32(kernel, dtypes)
     return kernel
 
 
@@ -240,8 +278,17 @@ def rounds_stochastically(op):
 
 # -- fp16 gradients: what underflowed and overflowed ----------------------------------
 
+# |x| boundaries of what rounding to nearest fp16 does to an fp32 value x:
+# 0 | underflows to zero (|x| <= 2**-25, ties to even) | fp16 | overflows to
+# infinity (|x| >= 65520, a tie rounding to the even infinity) | inf, NaN
+_UNDERFLOW, _OVERFLOW = 2.0 ** -25, 65520.0
+_BOUNDS = torch.tensor([0.0, _UNDERFLOW,
+                        float(torch.nextafter(torch.tensor(_OVERFLOW), torch.tensor(0.0))),
+                        torch.finfo(torch.float32).max])
+
+
 class GradientWatch:
-    """Counts, over one call, the fp16 gradient values the backward pass
+    """Counts, in one call, the fp16 gradient values the backward pass
     lost (ops marked ``Op.watched``: every backward op with an fp16
     result, casts included): *underflowed*, zero in fp16 but not when the
     op is computed in fp32 from the same operands; *overflowed*, infinite
@@ -249,14 +296,26 @@ class GradientWatch:
     A value is counted where it is lost, not again downstream.  Per op, the
     share of its fp32 result's summed magnitude that underflowed says
     whether what was lost mattered (tiny values that underflow at any scale
-    weigh nothing); ``worst_lost_share`` is the largest.  The fp32
-    reference is a diagnostic the simulator adds (the IPU has none): the
-    op's kernel run again with its operands widened to fp32."""
+    weigh nothing); ``worst_lost_share`` is the largest.
+
+    A watched op runs once: its kernel on operands widened to fp32, the
+    result rounded to fp16 (to nearest, or stochastically when that is on),
+    as the IPU's fp16 units with float partials compute.  The statistics
+    come from that fp32 result: what rounds to zero or to infinity is known
+    from its magnitude (a sum, a minimum and a maximum for most results).
+    They are counted over the first micro-batch of each call (of its first
+    replica): every micro-batch computes the same way, the counting costs
+    about one fp32 step, and a call of many micro-batches pays it once.  An op
+    with half partials runs its own kernel and is compared with the fp32
+    one, value by value."""
 
     def __init__(self):
         self.reset()
 
     def reset(self):
+        """A new call: count again, from its first micro-batch."""
+        self.counting = True
+        self._first = None          # the first watched op of the call
         self.values = 0
         self.nonzero = 0            # values the fp32 reference makes non-zero
         self.underflowed = 0
@@ -265,37 +324,100 @@ class GradientWatch:
         # op name -> [values, underflowed, overflowed, |fp32| summed, |fp32| of the lost]
         self.per_op = {}
 
-    def wrap(self, op, kernel, reference):
-        """``kernel`` counting into this watch; ``reference``: the op's
-        plain kernel, run on widened operands."""
+    def wrap(self, op, kernel, reference, rounding=None):
+        """The host function of watched ``op``: ``reference`` (its plain
+        kernel) on widened operands, rounded to fp16 (stochastically with
+        ``rounding``), counted into this watch.  ``kernel``: what the engine
+        would run otherwise; an op with half partials keeps it."""
+        dtypes = [t.dtype if t is not None else None for t in op.outputs]
+        stochastic = rounding is not None and rounds_stochastically(op)
+        exact = uses_half_partials(op) and half_partials_kernel(op.target) is not None
+
+        def narrow(w, dtype):
+            if not isinstance(w, torch.Tensor) or dtype is None or w.dtype == dtype:
+                return w
+            if dtype != HALF:
+                return w.to(dtype)
+            return rounding.round(w) if stochastic else w.to(HALF)
+
         def run(*args, **kwargs):
-            out = kernel(*args, **kwargs)
-            wide = reference(*pytree.tree_map(_widen, args), **pytree.tree_map(_widen, kwargs))
-            outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            wide = reference(*_widen_all(args), **{k: _widen_all(v) for k, v in kwargs.items()})
             wides = [wide] if isinstance(wide, torch.Tensor) else list(wide)
+            if exact:
+                out = kernel(*args, **kwargs)
+                outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            else:
+                outs = [narrow(w, d) for w, d in zip(wides, dtypes)]
+                out = outs[0] if isinstance(wide, torch.Tensor) else type(wide)(outs)
+            if not self._counts(op.name):
+                return out
             for o, w in zip(outs, wides):
                 if isinstance(o, torch.Tensor) and o.dtype == HALF and isinstance(w, torch.Tensor):
-                    self._count(op.name, o, w)
+                    if exact or stochastic:
+                        self._count_values(op.name, o, w)
+                    else:
+                        self._count_rounded(op.name, w)
             return out
         return run
 
-    def _count(self, name, out, wide):
-        finite = torch.isfinite(out)
-        lost = (out == 0) & (wide != 0)
-        under = int(lost.sum())
-        over = int((~finite & torch.isfinite(wide)).sum())
-        size = wide.detach().float().abs().nan_to_num(posinf=0.0)
+    def _counts(self, name):
+        """Is this run of op ``name`` counted?  The first micro-batch of a
+        call is (its first watched op coming round again starts the next)."""
+        if self._first is None:
+            self._first = name
+        elif name == self._first:
+            self.counting = False
+        return self.counting
+
+    def _add(self, name, values, zeros, under, over, nonfinite, size, lost):
         row = self.per_op.setdefault(name, [0, 0, 0, 0.0, 0.0])
-        row[0] += out.numel()
+        row[0] += values
         row[1] += under
         row[2] += over
-        row[3] += float(size.sum())
-        row[4] += float(size[lost].sum())
-        self.values += out.numel()
-        self.nonzero += int((wide != 0).sum())
+        row[3] += size
+        row[4] += lost
+        self.values += values
+        self.nonzero += values - zeros
         self.underflowed += under
         self.overflowed += over
-        self.nonfinite += int((~finite).sum())
+        self.nonfinite += nonfinite
+
+    def _count_rounded(self, name, wide):
+        """``wide`` (fp32) was rounded to nearest fp16: what underflowed and
+        overflowed follows from its magnitude.  Most results need three
+        reductions (sum, min, max); zeros and tiny values a count more."""
+        a = wide.detach().float().abs()
+        n = a.numel()
+        if n == 0:
+            return
+        lo, hi = torch.aminmax(a)
+        size, lo, hi = torch.stack([a.sum(), lo, hi]).tolist()
+        if not math.isfinite(size) or hi >= _OVERFLOW:      # infinities, NaNs, overflow
+            flat = a.reshape(-1).contiguous()
+            classes = torch.bucketize(flat, _BOUNDS)
+            c = torch.bincount(classes, minlength=5).tolist()
+            m = torch.bincount(classes, weights=flat, minlength=5).tolist()
+            self._add(name, n, c[0], c[1], c[3], c[3] + c[4], m[0] + m[1] + m[2] + m[3], m[1])
+            return
+        zeros = under = 0
+        lost = 0.0
+        if lo <= _UNDERFLOW:
+            zeros = n - int(torch.count_nonzero(a))
+            small = a <= _UNDERFLOW
+            under = int(torch.count_nonzero(small)) - zeros
+            if under:
+                lost = float(torch.where(small, a, 0.0).sum())
+        self._add(name, n, zeros, under, 0, 0, size, lost)
+
+    def _count_values(self, name, out, wide):
+        """``out`` (fp16) compared with ``wide`` (fp32) value by value."""
+        finite = torch.isfinite(out)
+        lost = (out == 0) & (wide != 0)
+        size = wide.detach().float().abs().nan_to_num(posinf=0.0)
+        zeros = int((wide == 0).sum())
+        self._add(name, out.numel(), zeros, int(lost.sum()),
+                  int((~finite & torch.isfinite(wide)).sum()), int((~finite).sum()),
+                  float(size.sum()), float(size[lost].sum()))
 
     @staticmethod
     def _lost_share(row):

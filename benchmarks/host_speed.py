@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Host speed: fp16 against fp32 and eager fp16, replicas and accumulation, compile per node.
+
+One run, one machine, timed interleaved:
+
+* **fp16 vs fp32**: host milliseconds per micro-batch of a training call
+  through the simulator, the same model in fp16 (loss scaling 128) and in
+  fp32, and plain PyTorch eager fp16 and fp32 on one micro-batch (forward,
+  backward, SGD step): a GPT-2 small configuration (Hugging Face
+  ``GPT2LMHeadModel``, 8 layers, d=128, batch 4 x 64 tokens; skipped
+  without ``transformers``) and torchvision's ResNet-18 (batch 8, 64x64),
+  each at gradient accumulation 1 and 4.  Bars (issue 22): fp16 at most
+  1.5x fp32, and at least as fast as eager fp16.
+* **replicas x accumulation**: host milliseconds per sample at replication
+  1 and 4 and accumulation 1 and 8 (an MLP at micro-batch 8, ResNet-18 at
+  micro-batch 8), and the ratio to 1 x 1.
+* **compile**: seconds and milliseconds per traced fx node for the model
+  zoo (``benchmarks/compile_passes.py`` has the per-pass split).
+
+    python benchmarks/host_speed.py [--quick] [--json PATH]
+"""
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import poptorchsim as poptorch  # noqa: E402
+
+LOSS_SCALE = 128.0
+
+
+class WithLoss(nn.Module):
+    def __init__(self, model, kind):
+        super().__init__()
+        self.model, self.kind = model, kind
+        self.loss = nn.CrossEntropyLoss()
+
+    def forward(self, x, y=None):
+        if self.kind == "lm":
+            return poptorch.identity_loss(self.model(input_ids=x, labels=x).loss, "none")
+        out = self.model(x)
+        return out, self.loss(out.float(), y)
+
+
+def gpt2():
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        return None
+    import transformers
+    transformers.logging.set_verbosity_error()
+    cfg = GPT2Config(n_layer=8, n_embd=128, n_head=4, vocab_size=1000, n_positions=128,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return (lambda: GPT2LMHeadModel(cfg), "lm",
+            lambda n, g: (torch.randint(0, 1000, (4 * n, 64), generator=g),))
+
+
+def resnet18():
+    import torchvision
+    return (lambda: torchvision.models.resnet18(num_classes=10), "cls",
+            lambda n, g: (torch.randn(8 * n, 3, 64, 64, generator=g),
+                          torch.randint(0, 10, (8 * n,), generator=g)))
+
+
+def mlp():
+    return (lambda: nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512),
+                                  nn.ReLU(), nn.Linear(512, 10)), "cls",
+            lambda n, g: (torch.randn(8 * n, 256, generator=g),
+                          torch.randint(0, 10, (8 * n,), generator=g)))
+
+
+def _cast(batch, dtype):
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+
+
+def simulated(spec, dtype, ga=1, rf=1, steps=3):
+    """Median host ms per micro-batch of a training call (after one warm-up)."""
+    build, kind, data = spec
+    torch.manual_seed(0)
+    model = WithLoss(build().to(dtype), kind)
+    opts = poptorch.Options().showCompilationProgressBar(False).replicationFactor(rf)
+    opts.Training.gradientAccumulation(ga)
+    opts._Popart.setEngineOptions({"debug.allowOutOfMemory": "true"})
+    scale = LOSS_SCALE if dtype == torch.half else 1.0
+    tm = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=1e-3,
+                                                                  loss_scaling=scale))
+    batch = _cast(data(ga * rf, torch.Generator().manual_seed(0)), dtype)
+    tm(*batch)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        tm(*batch)
+        times.append(time.perf_counter() - t0)
+    tm.destroy()
+    return 1e3 * statistics.median(times) / (ga * rf)
+
+
+def eager(spec, dtype, steps=3):
+    """Median ms of one eager forward, backward and SGD step on one micro-batch."""
+    build, kind, data = spec
+    torch.manual_seed(0)
+    model = WithLoss(build().to(dtype), kind)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batch = _cast(data(1, torch.Generator().manual_seed(0)), dtype)
+    scale = LOSS_SCALE if dtype == torch.half else 1.0
+    times = []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        out = model(*batch)
+        loss = out if kind == "lm" else out[1]
+        (loss * scale).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[1:])
+
+
+def precision_section(models, rows):
+    print("fp16 vs fp32: host ms per micro-batch")
+    print(f"{'model':<10} {'ga':>3} {'sim fp32':>9} {'sim fp16':>9} {'fp16/fp32':>9} "
+          f"{'eager fp32':>10} {'eager fp16':>10} {'eager16/sim16':>13}")
+    for name, spec in models.items():
+        e32, e16 = eager(spec, torch.float), eager(spec, torch.half)
+        for ga in (1, 4):
+            s32, s16 = simulated(spec, torch.float, ga), simulated(spec, torch.half, ga)
+            row = {"model": name, "ga": ga, "sim_fp32_ms": s32, "sim_fp16_ms": s16,
+                   "eager_fp32_ms": e32, "eager_fp16_ms": e16}
+            rows.append(row)
+            print(f"{name:<10} {ga:>3} {s32:>9.1f} {s16:>9.1f} {s16 / s32:>9.2f} "
+                  f"{e32:>10.1f} {e16:>10.1f} {e16 / s16:>13.2f}", flush=True)
+
+
+def batching_section(models, rows):
+    print("\nreplicas x accumulation: host ms per sample (micro-batch 8)")
+    print(f"{'model':<10} {'rf x ga':>8} {'ms/sample':>10} {'vs 1x1':>7}")
+    for name, spec in models.items():
+        base = None
+        for rf, ga in ((1, 1), (1, 8), (4, 1), (4, 4)):
+            ms = simulated(spec, torch.float, ga, rf) / 8
+            base = base or ms
+            rows.append({"model": name, "rf": rf, "ga": ga, "ms_per_sample": ms})
+            print(f"{name:<10} {f'{rf} x {ga}':>8} {ms:>10.3f} {ms / base:>7.2f}", flush=True)
+
+
+def compile_section(names, rows):
+    import compile_passes
+    print("\ncompile: seconds and ms per traced node")
+    for name in names:
+        r = compile_passes.compile_passes(name)
+        r["ms_per_node"] = 1e3 * r["total_s"] / max(r["fx_nodes"], 1)
+        rows.append(r)
+        print(f"{name:<22} {r['fx_nodes']:>6} nodes {r['total_s']:>7.2f} s "
+              f"{r['ms_per_node']:>6.2f} ms/node", flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="ResNet-18 and the MLP only; compile: three zoo models")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    logging.getLogger("poptorchsim").setLevel(logging.ERROR)
+    torch.set_num_threads(min(os.cpu_count() or 1, 2))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    precision_models = {"resnet18": resnet18()}
+    if not args.quick and gpt2() is not None:
+        precision_models = {"gpt2": gpt2(), **precision_models}
+    out = {"precision": [], "batching": [], "compile": []}
+    precision_section(precision_models, out["precision"])
+    batching_section({"mlp": mlp(), "resnet18": resnet18()}, out["batching"])
+    import model_zoo
+    names = ["resnet18", "resnet50", "gpt_block"] if args.quick else list(model_zoo.CASES)
+    compile_section(names, out["compile"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
