@@ -85,7 +85,8 @@ def run_cond(condition, then, orelse, then_reads, else_reads, taken):
     return orelse(else_reads)
 
 
-def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=None):
+def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=None,
+                  in_place=True):
     """A Python function ``f(list_of_inputs) -> list_of_outputs`` for ``graph``.
 
     Its ``branches`` attribute maps each conditional op's name (in sub-graphs
@@ -106,7 +107,7 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
     watch = watch if watch is not None else graph.watch
     glb = {}
     names = {}
-    in_place = {} if fp_checks else _in_place(graph)
+    in_place = {} if fp_checks or not in_place else _in_place(graph)
 
     def name_of(t):
         if t.id not in names:
@@ -215,4 +216,48 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
     run = glb["run"]
     run.source = source
     run.branches = branches
+    return run
+
+
+# -- many micro-batches in one call ------------------------------------------------------
+_SERIAL_CLASSES = ("random", "host", "custom", "loop", "cond")
+
+
+def serial_reason(graph):
+    """Why ``graph`` (a training step) must run its micro-batches one after
+    another, or None when they may run as one batched call: random ops
+    (each micro-batch draws its own numbers, in order), host ops and custom
+    ops, loops and conditionals, buffers the step writes (batch-norm
+    statistics carry from one micro-batch to the next), model inputs it
+    writes, and fp16 programs (stochastic rounding draws in order; the
+    gradient watch counts on the host), floating-point checks and automatic
+    loss scaling's statistics."""
+    for op in graph.ops:
+        if op.cost_class in _SERIAL_CLASSES or op.subgraphs:
+            return f"{op.cost_class} op {op.name}"
+    if graph.watch is not None or graph.rounding is not None:
+        return "fp16 gradient watch or stochastic rounding"
+    if graph.floating_point_checks:
+        return "floating-point checks"
+    if graph.statistics_outputs or graph.input_writes:
+        return "automatic loss scaling statistics or written model inputs"
+    buffers = [t for t in graph.inputs if t.role == "buffer"]
+    n_buf = len(buffers)
+    if n_buf and [t.id for t in graph.outputs[len(graph.outputs) - n_buf:]] \
+            != [t.id for t in buffers]:
+        return "buffers the step writes"
+    return None
+
+
+def batched_graph(graph):
+    """``f(shared, batched, extra) -> outputs stacked along a new first dim``:
+    ``graph`` run once per row of the ``batched`` inputs (``torch.func.vmap``
+    over the graph's function, compiled without in-place writes, which vmap
+    cannot take into shared tensors); ``shared`` (weights, buffers) and
+    ``extra`` (trailing inputs) are the same for every row."""
+    fn = compile_graph(graph, in_place=False)
+
+    def run(shared, batched, extra):
+        return torch.func.vmap(lambda *rows: fn(list(shared) + list(rows) + list(extra)))(
+            *batched)
     return run

@@ -9,7 +9,12 @@ step            what the engine does
 Repeat          runs its body ``count`` times, numbering the iterations of
                 its counter (``device_iteration`` picks the inputs' device
                 iteration, ``accumulation`` the micro-batch; the
-                accumulation loop starts a weight update's sums)
+                accumulation loop starts a weight update's sums).  Where
+                the training step allows (``codegen.serial_reason``), the
+                accumulation loop's calls of the step are collected as it
+                walks and run after it as one batched call (``vmap``, 16
+                micro-batches at a time): all replicas and micro-batches of
+                one update hold the same weights
 Call            the model's graph once per replica on that micro-batch
                 (training: the gradients are added into the accumulators);
                 the optimizer update once (every replica holds the same
@@ -160,6 +165,10 @@ class Engine:
         # writes); None: all of them, both ways
         self.slot_counts = None
         self.accumulation = None    # an Accumulation; None: plain sums
+        # runs many micro-batches of the training step as one call
+        # (codegen.batched_graph); None: one after another
+        self.batch_fn = None
+        self._batch = None          # (device iteration, micro-batch, replica) collected
         # the rule for each kind of control step (a subclass may override one)
         self._rules = {kind: getattr(self, "_" + kind.__name__) for kind in STEP_KINDS}
 
@@ -175,6 +184,7 @@ class Engine:
             program, state, inputs, collector)
         self._counters = {}
         self._update = None
+        self._batch = None
         self._scale = getattr(state, "loss_scale", None)   # automatic loss scaling
         try:
             with torch.no_grad():
@@ -194,9 +204,14 @@ class Engine:
     def _Repeat(self, step):
         if step.counter == "accumulation":
             self._update = _Update(list(getattr(self._state, "step_extra", None) or []))
+            if self._batchable():
+                self._batch = []
         for k in range(step.count):
             self._counters[step.counter] = k
             self._walk(step.body)
+        if self._batch is not None:
+            batch, self._batch = self._batch, None
+            self._run_batched(batch)
         if step.counter == "device_iteration" and self._update is not None \
                 and self._update.gather is not None:
             raise RuntimeError("poptorchsim internal error: a sharded optimizer update "
@@ -219,6 +234,11 @@ class Engine:
         if step.graph.name == "optimizer_update":
             self._run_update_call()
         elif self._program.kind == "training":
+            if self._batch is not None:     # run with the loop's others, after it
+                i = self._counters.get("device_iteration", 0)
+                g = self._counters.get("accumulation", 0)
+                self._batch.extend((i, g, r) for r in range(step.replicas))
+                return
             for r in range(step.replicas):
                 self._micro_batch(r)
         else:
@@ -254,6 +274,48 @@ class Engine:
         else:
             u.acc = self.accumulation.add(u.acc, grads, u.k, state, self._apart)
         u.k += 1
+
+    def _batchable(self):
+        """May this weight update's micro-batches run as one batched call?
+        (A batched function, plain gradient sums, no loss-scale statistics,
+        no written inputs; ``codegen.serial_reason`` checked the graph.)"""
+        return (self.batch_fn is not None and self.accumulation is None
+                and self._scale is None and not self.n_writes)
+
+    def _run_batched(self, batch, rows=16):
+        """The training step of every (i, g, r) in ``batch``, ``rows`` at a
+        time in one vmapped call: outputs kept in order, gradients summed
+        into the update's accumulators.  Should the batched call fail (an op
+        vmap cannot batch), the engine runs serially from then on."""
+        state, u = self._state, self._update
+        n_train, n_buf = state.n_trainable, len(state.buffers[0])
+        shared = state.params + state.buffers[0]
+        if any(any(b is not c for b, c in zip(state.buffers[r], state.buffers[0]))
+               for r in range(1, len(state.buffers))):
+            shared = None           # replicas hold different buffers
+        if len(batch) == 1:
+            shared = None           # one micro-batch: the step itself, unbatched
+        for start in range(0, len(batch), rows):
+            part = batch[start:start + rows]
+            if shared is None:
+                outs = None
+            else:
+                try:
+                    outs = self.batch_fn(shared, [torch.stack([x[i, g, r] for i, g, r in part])
+                                                  for x in self._inputs], u.extra)
+                except Exception:  # noqa: BLE001 - vmap cannot batch an op: go serial
+                    self.batch_fn, outs = None, None
+            if outs is None:
+                for i, g, r in part:
+                    self._counters["device_iteration"], self._counters["accumulation"] = i, g
+                    self._micro_batch(r)
+                continue
+            n_out = len(outs) - n_train - n_buf
+            for k, (i, g, r) in enumerate(part):
+                self._collector.add(i, g, r, [o[k] for o in outs[:n_out]])
+            grads = [o.sum(0) for o in outs[n_out:n_out + n_train]]
+            u.acc = grads if u.acc is None else [a + b for a, b in zip(u.acc, grads)]
+            u.k += len(part)
 
     @property
     def _apart(self):

@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from .. import enums
 from ..capture.scopes import module_name_scopes
 from ..errors import Error, FloatingPointException
+from ..machine.codegen import batched_graph, serial_reason
 from ..machine.engine import Accumulation, Engine, OutputCollector
 from . import cache, compiler, export, log_repeats, observe
 from . import optimizer_checks as opt_checks
@@ -181,6 +182,7 @@ class PoplarExecutor:
                                                 config.auto_loss_scaling)
             self._configure_update()
         self._observe.attach(compiled, self._engine)
+        self._configure_batching()
         group = self._weights.group = self._process_group()   # training in several processes
         if group is not None:
             self._engine.reduce = group.all_reduce_sum
@@ -326,6 +328,15 @@ class PoplarExecutor:
                     "poptorch.MeanReductionStrategy.Running but the executable is already "
                     "compiled.")
 
+    def _configure_batching(self):
+        """The micro-batches of one weight update run as one batched call
+        where the training step allows it (``codegen.serial_reason``) and no
+        anchor taps the step per micro-batch."""
+        e, step = self._engine, self._compiled.program.graphs[self._compiled.program.model_graph]
+        serial = (not self._training or self._observe.tap is not None
+                  or serial_reason(step) is not None)
+        e.batch_fn = None if serial else batched_graph(step)
+
     def _configure_update(self):
         """The engine runs the compiled update the way its plan says: state
         slots read and written, gradient accumulators' types, running mean,
@@ -409,6 +420,7 @@ class PoplarExecutor:
             compiler.rebuild_update(c, self._user_model, optimizer, self._config)
             self._configure_update()
             self._observe.attach(c, self._engine)   # anchors read the new update
+            self._configure_batching()
             self._load_optimizer_state()
         elif new_object:
             self._load_optimizer_state()
