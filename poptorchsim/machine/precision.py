@@ -294,7 +294,8 @@ class GradientWatch:
     op is computed in fp32 from the same operands; *overflowed*, infinite
     in fp16 but finite in fp32; and *non-finite*, infinite or NaN in fp16.
     A value is counted where it is lost, not again downstream.  Per op, the
-    share of its fp32 result's summed magnitude that underflowed says
+    share of its fp32 result's summed magnitude that underflowed (over the
+    runs in which it lost values) says
     whether what was lost mattered (tiny values that underflow at any scale
     weigh nothing); ``worst_lost_share`` is the largest.
 
@@ -302,7 +303,7 @@ class GradientWatch:
     result rounded to fp16 (to nearest, or stochastically when that is on),
     as the IPU's fp16 units with float partials compute.  The statistics
     come from that fp32 result: what rounds to zero or to infinity is known
-    from its magnitude (a sum, a minimum and a maximum for most results).
+    from its magnitude (its minimum and maximum for most results).
     They are counted over the first micro-batch of each call (of its first
     replica): every micro-batch computes the same way, the counting costs
     about one fp32 step, and a call of many micro-batches pays it once.  An op
@@ -384,15 +385,15 @@ class GradientWatch:
 
     def _count_rounded(self, name, wide):
         """``wide`` (fp32) was rounded to nearest fp16: what underflowed and
-        overflowed follows from its magnitude.  Most results need three
-        reductions (sum, min, max); zeros and tiny values a count more."""
+        overflowed follows from its magnitude.  Most results need one
+        reduction (min and max); zeros and tiny values two counts more, and
+        an op that lost values its summed magnitude."""
         a = wide.detach().float().abs()
         n = a.numel()
         if n == 0:
             return
-        lo, hi = torch.aminmax(a)
-        size, lo, hi = torch.stack([a.sum(), lo, hi]).tolist()
-        if not math.isfinite(size) or hi >= _OVERFLOW:      # infinities, NaNs, overflow
+        lo, hi = torch.stack(torch.aminmax(a)).tolist()
+        if not math.isfinite(hi) or hi >= _OVERFLOW:        # infinities, NaNs, overflow
             flat = a.reshape(-1).contiguous()
             classes = torch.bucketize(flat, _BOUNDS)
             c = torch.bincount(classes, minlength=5).tolist()
@@ -400,13 +401,13 @@ class GradientWatch:
             self._add(name, n, c[0], c[1], c[3], c[3] + c[4], m[0] + m[1] + m[2] + m[3], m[1])
             return
         zeros = under = 0
-        lost = 0.0
+        size = lost = 0.0           # an op's magnitude matters only beside what it lost
         if lo <= _UNDERFLOW:
             zeros = n - int(torch.count_nonzero(a))
             small = a <= _UNDERFLOW
             under = int(torch.count_nonzero(small)) - zeros
             if under:
-                lost = float(torch.where(small, a, 0.0).sum())
+                size, lost = torch.stack([a.sum(), torch.where(small, a, 0.0).sum()]).tolist()
         self._add(name, n, zeros, under, 0, 0, size, lost)
 
     def _count_values(self, name, out, wide):
