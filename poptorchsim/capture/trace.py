@@ -14,7 +14,9 @@ tensors (no real compute) and functionalized (no mutation):
 Inference has the forward alone.  Nothing here knows about tiles.
 """
 import contextlib
+import dataclasses
 import inspect
+import math
 import threading
 import traceback
 import weakref
@@ -615,7 +617,7 @@ def _example(layout):
             torch.zeros((), dtype=torch.float32))
 
 
-def capture_update(plan, layouts, n_groups, unit_scale=False):
+def capture_update(plan, layouts, n_groups, unit_scale=False, traces=None):
     """Trace one optimizer step over every trainable parameter.
 
     ``plan``: the ``UpdatePlan`` (rule, flags per group, types, loss
@@ -625,10 +627,14 @@ def capture_update(plan, layouts, n_groups, unit_scale=False):
     micro-batch on one replica per update, no loss scaling), so gradients
     are used as they are.  Inputs: ``(params, grads, state, steps, hyper,
     globals, grad_scale)``; outputs ``(new params, new state, new steps)``.
+    ``traces``: a dict keeping the rules traced per parameter layout, to
+    share with another capture of the same optimizer (the update over whole
+    weights of a sharded one).
     """
     n_h, n_g = len(plan.hyper), len(plan.globals)
     if plan.max_grad_norm is None and layouts:
-        stitched = _update_by_parameter(plan, layouts, n_groups, unit_scale)
+        stitched = _update_by_parameter(plan, layouts, n_groups, unit_scale,
+                                        {} if traces is None else traces)
         if stitched is not None:
             return stitched
     rules = [_update_rule(plan, layout, unit_scale) for layout in layouts]
@@ -664,13 +670,29 @@ def capture_update(plan, layouts, n_groups, unit_scale=False):
         return _cast_scalars_once(make_fx(update, tracing_mode="fake")(*example))
 
 
-def _update_by_parameter(plan, layouts, n_groups, unit_scale):
-    """The update graph of ``capture_update`` built from one small trace per
-    distinct parameter layout (shape, types, param group), copied once per
-    parameter: without global clipping every parameter's update is
-    independent, and models repeat a few shapes many times (tracing each op
-    costs about a millisecond).  None when a traced rule holds tensor
-    constants."""
+class GraphOnly:
+    """An fx graph where lowering takes a ``GraphModule`` (``.graph``): the
+    stitched update graph is lowered, never run, so it needs no Python code
+    generated for it."""
+
+    def __init__(self, graph):
+        self.graph = graph
+
+
+def _update_by_parameter(plan, layouts, n_groups, unit_scale, traces):
+    """The update graph of ``capture_update`` built from small traces of the
+    rule, copied once per parameter: without global clipping every
+    parameter's update is independent, and models repeat a few layouts many
+    times (tracing each op costs about a millisecond).
+
+    The rules are element-wise with whole-tensor reductions, so the rule
+    traced for one shape is the rule for every shape of the same types and
+    param group: only the shapes of its tensors change.  It is traced once
+    per such kind of parameter (and once more, at a second shape, to check
+    that the two traces agree op for op), and each copy takes its
+    parameter's shape; a kind whose trace depends on the shape (a tensor of
+    another shape, a list argument, traces that disagree) is traced for
+    every shape.  None when a traced rule holds tensor constants."""
     n, n_h, n_g = len(layouts), len(plan.hyper), len(plan.globals)
 
     def one(layout):
@@ -683,17 +705,39 @@ def _update_by_parameter(plan, layouts, n_groups, unit_scale):
             return p_new, s_new, step
         return update
 
-    traced = {}
-    with _tracing_scope():
-        for layout in dict.fromkeys(layouts):
+    def trace(layout):
+        key = (plan, unit_scale, layout)
+        if key not in traces:
             example = _example(layout) + (
                 [torch.zeros((), dtype=torch.float64) for _ in range(n_h)],
                 [torch.zeros((), dtype=torch.float64) for _ in range(n_g)],
                 torch.ones((), dtype=torch.float32))
-            gm = make_fx(one(layout), tracing_mode="fake")(*example)
-            if any(node.op == "get_attr" for node in gm.graph.nodes):
+            traces[key] = make_fx(one(layout), tracing_mode="fake")(*example).graph
+        return traces[key]
+
+    template = {}                   # layout -> (traced graph, the shape it was traced at)
+    kinds = {}
+    for layout in dict.fromkeys(layouts):
+        kinds.setdefault(_replace_shape(layout, None), []).append(layout)
+    with _tracing_scope():
+        for members in kinds.values():
+            shapes = list(dict.fromkeys(layout.shape for layout in members))
+            first = _representative(members)
+            sub = trace(first)
+            if any(node.op == "get_attr" for node in sub.nodes):
                 return None
-            traced[layout] = gm
+            shared = len(shapes) > 1 and _shape_free(sub, first.shape)
+            if shared:
+                second = _second(members, first.shape)
+                shared = _same_rule(sub, first.shape, trace(second), second.shape)
+            for layout in members:
+                if shared or layout.shape == first.shape:
+                    template[layout] = (sub, first.shape)
+                else:
+                    own = trace(layout)
+                    if any(node.op == "get_attr" for node in own.nodes):
+                        return None
+                    template[layout] = (own, layout.shape)
     graph = torch.fx.Graph()
 
     def inputs(prefix, count):
@@ -706,15 +750,32 @@ def _update_by_parameter(plan, layouts, n_groups, unit_scale):
     globals_ = inputs("globals", n_g)
     grad_scale, = inputs("grad_scale", 1)
     new_params, new_state, new_steps = [], [], []
+    values = {}                     # (shape, dtype) -> a meta tensor of them
     for i, layout in enumerate(layouts):
         grp, n_out = layout.group, len(layout.slots_out)
-        sub = traced[layout].graph
+        sub, traced_shape = template[layout]
+
+        def val(node, shape=layout.shape):
+            v = node.meta["val"]
+            if shape == traced_shape or not isinstance(v, torch.Tensor) \
+                    or tuple(v.shape) != traced_shape:
+                return v
+            if (shape, v.dtype) not in values:
+                values[shape, v.dtype] = torch.empty(shape, dtype=v.dtype, device="meta")
+            return values[shape, v.dtype]
         ours = ([params[i], grads[i]] + state[i] + [steps[i]]
                 + hyper[grp * n_h:(grp + 1) * n_h] + globals_ + [grad_scale])
         theirs = [node for node in sub.nodes if node.op == "placeholder"]
         for mine, node in zip(ours, theirs):
-            mine.meta.setdefault("val", node.meta["val"])
-        outs = pytree.tree_leaves(graph.graph_copy(sub, dict(zip(theirs, ours))))
+            mine.meta.setdefault("val", val(node))
+        copies = dict(zip(theirs, ours))
+        outs = pytree.tree_leaves(graph.graph_copy(sub, copies))
+        if layout.shape != traced_shape:
+            for node in sub.nodes:
+                if node.op == "call_function" and "val" in node.meta:
+                    copy = copies[node]
+                    copy.meta["val"] = val(node)
+                    copy.meta.pop("tensor_meta", None)
         new_params.append(outs[0])                 # make_fx returns a flat list
         new_state.append(outs[1:1 + n_out])
         new_steps.append(outs[1 + n_out])
@@ -722,15 +783,119 @@ def _update_by_parameter(plan, layouts, n_groups, unit_scale):
     for node in hyper + globals_:          # groups without trainable parameters
         node.meta.setdefault("val", scalar)
     graph.output((new_params, new_state, new_steps))
-    return _common_subexpressions(torch.fx.GraphModule(torch.nn.Module(), graph))
+    return _cast_scalars_once(GraphOnly(_common_subexpressions(graph)))
 
 
-def _common_subexpressions(gm):
-    """torch.fx's CSE pass over a functional graph: each parameter's copy of
-    the rule recomputes the same scalar hyperparameter arithmetic (``1 -
-    dampening``, ``-lr``), which is computed once per group instead."""
-    from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
-    return _cast_scalars_once(CSEPass(get_CSE_banned_ops())(gm).graph_module)
+def _replace_shape(layout, shape):
+    return dataclasses.replace(layout, shape=shape)
+
+
+def _representative(members):
+    """The layout a kind of parameter is traced at: one whose tensors cannot
+    be mistaken for the rule's scalars (two elements or more)."""
+    return next((m for m in members if len(m.shape) and math.prod(m.shape) > 1),
+                next((m for m in members if len(m.shape)), members[0]))
+
+
+def _second(members, shape):
+    """Another shape of the kind to trace it again at: of another rank where
+    there is one."""
+    others = [m for m in members if m.shape != shape]
+    return next((m for m in others if len(m.shape) != len(shape) and len(m.shape)),
+                next((m for m in others if len(m.shape)), others[0]))
+
+
+_SCALAR_ARGS = (bool, int, float, torch.dtype, torch.device, torch.layout,
+                torch.memory_format, type(None))
+
+
+def _shape_free(graph, shape):
+    """The traced rule names no shape: every tensor in it has the
+    parameter's ``shape`` or none (a scalar), and every argument that is not
+    a tensor is a scalar (no sizes, no dimension lists)."""
+    for node in graph.nodes:
+        for v in pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(v, torch.Tensor) and tuple(v.shape) not in (shape, ()):
+                return False
+        if node.op != "call_function":
+            continue
+        for arg in list(node.args) + list(node.kwargs.values()):
+            if isinstance(arg, (list, tuple)):
+                if not all(isinstance(a, torch.fx.Node) for a in arg):
+                    return False
+            elif not isinstance(arg, (torch.fx.Node,) + _SCALAR_ARGS):
+                return False
+    return True
+
+
+def _same_rule(a, shape_a, b, shape_b):
+    """Graphs ``a`` and ``b``, traced at ``shape_a`` and ``shape_b``, hold the
+    same ops on the same arguments, their tensors of the parameter's shape
+    in the same places."""
+    nodes_a, nodes_b = list(a.nodes), list(b.nodes)
+    if len(nodes_a) != len(nodes_b):
+        return False
+    index_a = {node: k for k, node in enumerate(nodes_a)}
+    index_b = {node: k for k, node in enumerate(nodes_b)}
+
+    def spec(node, index):
+        return pytree.tree_map_only(torch.fx.Node, lambda n: ("node", index[n]),
+                                    (node.args, node.kwargs))
+
+    def kind(v, shape):
+        if not isinstance(v, torch.Tensor):
+            return v
+        return (v.dtype, "param" if tuple(v.shape) == shape else tuple(v.shape))
+
+    def agree(p, q):
+        # at a 0-d ``shape_b`` the parameter's tensors look like scalars
+        return p == q or (shape_b == () and isinstance(p, tuple) and isinstance(q, tuple)
+                          and len(p) == len(q) == 2 and p[0] == q[0] and q[1] == "param"
+                          and p[1] in ("param", ()))
+    for x, y in zip(nodes_a, nodes_b):
+        if (x.op, x.target, x.name) != (y.op, y.target, y.name) or \
+                spec(x, index_a) != spec(y, index_b):
+            return False
+        vx = [kind(v, shape_a) for v in pytree.tree_leaves(x.meta.get("val"))]
+        vy = [kind(v, shape_b) for v in pytree.tree_leaves(y.meta.get("val"))]
+        if len(vx) != len(vy) or not all(agree(p, q) for p, q in zip(vx, vy)):
+            return False
+    return True
+
+
+def _common_subexpressions(graph):
+    """torch.fx's CSE pass (``torch.fx.passes.dialect.common.cse_pass``) over
+    a functional graph: each parameter's copy of the rule recomputes the same
+    scalar hyperparameter arithmetic (``1 - dampening``, ``-lr``), which is
+    computed once per group instead.  The pass's own steps, on the graph
+    alone: the same nodes merge and the copy has the same names, without a
+    ``GraphModule`` and its generated code around it."""
+    from torch.fx.passes.dialect.common.cse_pass import get_CSE_banned_ops
+    banned = get_CSE_banned_ops()
+    new = torch.fx.Graph()
+    env, seen, tokens = {}, {}, {}
+    modified = False
+    for node in graph.nodes:
+        target = getattr(node.target, "overloadpacket", node.target)
+        if node.op in ("placeholder", "output", "get_attr") or target in banned:
+            env[node] = new.node_copy(node, lambda x: env[x])
+            continue
+        args, args_spec = pytree.tree_flatten(node.args)
+        kwargs, kwargs_spec = pytree.tree_flatten(node.kwargs)
+        args = tuple(env[a] if isinstance(a, torch.fx.Node) and a in env else a for a in args)
+        kwargs = tuple(env[a] if isinstance(a, torch.fx.Node) and a in env else a
+                       for a in kwargs)
+        token = {"target": node.target, "args": args, "args_spec": args_spec,
+                 "kwargs": kwargs, "kwargs_spec": kwargs_spec}
+        key = (node.target, hash((args, kwargs)))
+        if key in seen and tokens[key] == token:
+            modified = True
+            env[node] = seen[key]
+            continue
+        env[node] = new.node_copy(node, lambda x: env[x])
+        if key not in seen:
+            seen[key], tokens[key] = env[node], token
+    return new if modified else graph
 
 
 def _cast_scalars_once(gm):
@@ -760,6 +925,6 @@ def _cast_scalars_once(gm):
                 casts[arg, dtype] = node_
             return casts[arg, dtype]
         node.args = tuple(cast(a) for a in node.args)
-    if casts:
+    if casts and isinstance(gm, torch.fx.GraphModule):
         gm.recompile()
     return gm

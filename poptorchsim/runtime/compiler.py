@@ -421,8 +421,9 @@ def _plan(program, target, c, run):
         accumulating=program.accumulation > 1)
     program = run.done("locate", program)
     program = run.done("control program", build_main(program))                         # 12
-    reports = [plan_memory(program, program.variables, target, costs, ipu, program.locations)
-               for ipu in range(program.n_ipus)]                                         # 13
+    shared = {}
+    reports = [plan_memory(program, program.variables, target, costs, ipu, program.locations,
+                           shared) for ipu in range(program.n_ipus)]                     # 13
     for report in reports:
         check_fits(report, target, c.allow_oom, program.n_ipus)
     memory = reports[0]
