@@ -14,6 +14,7 @@ tensors (no real compute) and functionalized (no mutation):
 Inference has the forward alone.  Nothing here knows about tiles.
 """
 import contextlib
+import copy
 import dataclasses
 import inspect
 import math
@@ -692,7 +693,8 @@ def _update_by_parameter(plan, layouts, n_groups, unit_scale, traces):
     that the two traces agree op for op), and each copy takes its
     parameter's shape; a kind whose trace depends on the shape (a tensor of
     another shape, a list argument, traces that disagree) is traced for
-    every shape.  None when a traced rule holds tensor constants."""
+    every shape.  The copies are merged as torch.fx's CSE pass merges them
+    (``_Copies``).  None when a traced rule holds tensor constants."""
     n, n_h, n_g = len(layouts), len(plan.hyper), len(plan.globals)
 
     def one(layout):
@@ -706,7 +708,7 @@ def _update_by_parameter(plan, layouts, n_groups, unit_scale, traces):
         return update
 
     def trace(layout):
-        key = (plan, unit_scale, layout)
+        key = ("layout", plan, unit_scale, layout)
         if key not in traces:
             example = _example(layout) + (
                 [torch.zeros((), dtype=torch.float64) for _ in range(n_h)],
@@ -720,29 +722,31 @@ def _update_by_parameter(plan, layouts, n_groups, unit_scale, traces):
     for layout in dict.fromkeys(layouts):
         kinds.setdefault(_replace_shape(layout, None), []).append(layout)
     with _tracing_scope():
-        for members in kinds.values():
-            shapes = list(dict.fromkeys(layout.shape for layout in members))
-            first = _representative(members)
-            sub = trace(first)
+        for kind, members in kinds.items():
+            # [graph, the shape it was traced at, whether it holds for every shape]
+            known = traces.setdefault(("kind", plan, unit_scale, kind), [None, None, None])
+            if known[0] is None:
+                first = _representative(members)
+                known[:2] = trace(first), first.shape
+            sub, shape = known[0], known[1]
             if any(node.op == "get_attr" for node in sub.nodes):
                 return None
-            shared = len(shapes) > 1 and _shape_free(sub, first.shape)
-            if shared:
-                second = _second(members, first.shape)
-                shared = _same_rule(sub, first.shape, trace(second), second.shape)
+            others = [m for m in members if m.shape != shape]
+            if others and known[2] is None:
+                known[2] = _shape_free(sub, shape)
+                if known[2]:
+                    second = _second(others, shape)
+                    known[2] = _same_rule(sub, shape, trace(second), second.shape)
             for layout in members:
-                if shared or layout.shape == first.shape:
-                    template[layout] = (sub, first.shape)
+                if layout.shape == shape or known[2]:
+                    template[layout] = (sub, shape)
                 else:
                     own = trace(layout)
                     if any(node.op == "get_attr" for node in own.nodes):
                         return None
                     template[layout] = (own, layout.shape)
-    graph = torch.fx.Graph()
-
-    def inputs(prefix, count):
-        return [graph.placeholder(f"{prefix}_{k}") for k in range(count)]
-
+    copies = _Copies()
+    inputs = copies.inputs
     params, grads = inputs("params", n), inputs("grads", n)
     state = [inputs(f"state_{i}", len(layout.slots_in)) for i, layout in enumerate(layouts)]
     steps = inputs("steps", n)
@@ -750,40 +754,133 @@ def _update_by_parameter(plan, layouts, n_groups, unit_scale, traces):
     globals_ = inputs("globals", n_g)
     grad_scale, = inputs("grad_scale", 1)
     new_params, new_state, new_steps = [], [], []
-    values = {}                     # (shape, dtype) -> a meta tensor of them
     for i, layout in enumerate(layouts):
         grp, n_out = layout.group, len(layout.slots_out)
         sub, traced_shape = template[layout]
-
-        def val(node, shape=layout.shape):
-            v = node.meta["val"]
-            if shape == traced_shape or not isinstance(v, torch.Tensor) \
-                    or tuple(v.shape) != traced_shape:
-                return v
-            if (shape, v.dtype) not in values:
-                values[shape, v.dtype] = torch.empty(shape, dtype=v.dtype, device="meta")
-            return values[shape, v.dtype]
         ours = ([params[i], grads[i]] + state[i] + [steps[i]]
                 + hyper[grp * n_h:(grp + 1) * n_h] + globals_ + [grad_scale])
-        theirs = [node for node in sub.nodes if node.op == "placeholder"]
-        for mine, node in zip(ours, theirs):
-            mine.meta.setdefault("val", val(node))
-        copies = dict(zip(theirs, ours))
-        outs = pytree.tree_leaves(graph.graph_copy(sub, copies))
-        if layout.shape != traced_shape:
-            for node in sub.nodes:
-                if node.op == "call_function" and "val" in node.meta:
-                    copy = copies[node]
-                    copy.meta["val"] = val(node)
-                    copy.meta.pop("tensor_meta", None)
+        outs = pytree.tree_leaves(copies.copy(sub, ours, traced_shape, layout.shape))
         new_params.append(outs[0])                 # make_fx returns a flat list
         new_state.append(outs[1:1 + n_out])
         new_steps.append(outs[1 + n_out])
+    graph = copies.graph
     scalar = torch.empty((), dtype=torch.float64, device="meta")
     for node in hyper + globals_:          # groups without trainable parameters
         node.meta.setdefault("val", scalar)
     graph.output((new_params, new_state, new_steps))
-    return _cast_scalars_once(GraphOnly(_common_subexpressions(graph)))
+    return _cast_scalars_once(GraphOnly(graph))
+
+
+class _Copies:
+    """The stitched update graph: each parameter's copy of its traced rule,
+    merged as ``graph_copy`` of every copy followed by torch.fx's CSE pass
+    (``torch.fx.passes.dialect.common.cse_pass``) would merge them, without
+    building the graph of all copies: a node is copied unless an earlier
+    node of the same target on the same arguments stands for it (each
+    parameter's copy recomputes the same scalar hyperparameter arithmetic,
+    ``1 - dampening``, ``-lr``, computed once per group instead), and every
+    node keeps the name it takes in the graph of all copies (``names``
+    follows that graph's namespace)."""
+
+    def __init__(self):
+        from torch.fx.passes.dialect.common.cse_pass import get_CSE_banned_ops
+        self.graph = torch.fx.Graph()
+        self.names = torch.fx.graph._Namespace()
+        self.banned = get_CSE_banned_ops()
+        self.seen, self.tokens = {}, {}
+        self.values = {}            # (shape, dtype) -> a meta tensor of them
+
+    def inputs(self, prefix, count):
+        nodes = [self.graph.placeholder(f"{prefix}_{k}") for k in range(count)]
+        for node in nodes:
+            self.names.create_name(node.name, None)
+        return nodes
+
+    def _value(self, node, traced_shape, shape):
+        """``node``'s value at ``shape``: tensors of the traced parameter's
+        shape take the parameter's."""
+        v = node.meta["val"]
+        if shape == traced_shape or not isinstance(v, torch.Tensor) \
+                or tuple(v.shape) != traced_shape:
+            return v
+        if (shape, v.dtype) not in self.values:
+            self.values[shape, v.dtype] = torch.empty(shape, dtype=v.dtype, device="meta")
+        return self.values[shape, v.dtype]
+
+    def copy(self, sub, ours, traced_shape, shape):
+        """Copies graph ``sub`` (traced at ``traced_shape``) for a parameter of
+        ``shape`` whose inputs are the placeholders ``ours``; returns the
+        copy's outputs."""
+        theirs = [node for node in sub.nodes if node.op == "placeholder"]
+        env = {}
+        for mine, node in zip(ours, theirs):
+            mine.meta.setdefault("val", self._value(node, traced_shape, shape))
+            env[node] = mine
+        for node in sub.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                return torch.fx.node.map_arg(node.args[0], env.__getitem__)
+            name = self.names.create_name(node.name, None)
+            args = torch.fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+            key = None
+            if node.op != "get_attr" and \
+                    getattr(node.target, "overloadpacket", node.target) not in self.banned:
+                flat, args_spec = _flatten(args)
+                flat_kw, kwargs_spec = _flatten(kwargs)
+                token = {"target": node.target, "args": tuple(flat), "args_spec": args_spec,
+                         "kwargs": tuple(flat_kw), "kwargs_spec": kwargs_spec}
+                key = (node.target, hash((token["args"], token["kwargs"])))
+                if key in self.seen and self.tokens[key] == token:
+                    env[node] = self.seen[key]
+                    continue
+            new = self.graph.create_node(node.op, node.target, args, kwargs, name, node.type)
+            new.meta = copy.copy(node.meta)
+            if shape != traced_shape and "val" in node.meta:
+                new.meta["val"] = self._value(node, traced_shape, shape)
+                new.meta.pop("tensor_meta", None)
+            env[node] = new
+            if key is not None and key not in self.seen:
+                self.seen[key], self.tokens[key] = new, token
+        raise AssertionError("a traced graph without an output")
+
+
+_IMMUTABLE_LIST = torch.fx.immutable_collections.immutable_list
+_IMMUTABLE_DICT = torch.fx.immutable_collections.immutable_dict
+_SEQUENCES = (tuple, list, _IMMUTABLE_LIST)
+_MAPPINGS = (dict, _IMMUTABLE_DICT)
+_LEAVES = (torch.fx.Node, bool, int, float, str, type(None), torch.dtype, torch.device,
+           torch.layout, torch.memory_format)
+
+
+class _Unusual(Exception):
+    """A container ``_flatten`` leaves to pytree."""
+
+
+def _flatten(x):
+    """``pytree.tree_flatten(x)`` for the arguments of fx nodes: the same
+    leaves, and a structure that is equal exactly where pytree's specs are
+    (the containers' types, a mapping's keys, the children's structures):
+    tuples, lists, dicts and fx's immutable ones walked directly, any other
+    container left to pytree."""
+    leaves = []
+
+    def walk(y):
+        t = type(y)
+        if t in _SEQUENCES:
+            return (t, tuple(walk(z) for z in y))
+        if t in _MAPPINGS:
+            return (t, tuple(y), tuple(walk(z) for z in y.values()))
+        if isinstance(y, _LEAVES):
+            leaves.append(y)
+            return None
+        raise _Unusual
+    try:
+        return leaves, ("spec", walk(x))
+    except _Unusual:
+        flat, spec = pytree.tree_flatten(x)
+        return flat, ("pytree", spec)
 
 
 def _replace_shape(layout, shape):
@@ -861,41 +958,6 @@ def _same_rule(a, shape_a, b, shape_b):
         if len(vx) != len(vy) or not all(agree(p, q) for p, q in zip(vx, vy)):
             return False
     return True
-
-
-def _common_subexpressions(graph):
-    """torch.fx's CSE pass (``torch.fx.passes.dialect.common.cse_pass``) over
-    a functional graph: each parameter's copy of the rule recomputes the same
-    scalar hyperparameter arithmetic (``1 - dampening``, ``-lr``), which is
-    computed once per group instead.  The pass's own steps, on the graph
-    alone: the same nodes merge and the copy has the same names, without a
-    ``GraphModule`` and its generated code around it."""
-    from torch.fx.passes.dialect.common.cse_pass import get_CSE_banned_ops
-    banned = get_CSE_banned_ops()
-    new = torch.fx.Graph()
-    env, seen, tokens = {}, {}, {}
-    modified = False
-    for node in graph.nodes:
-        target = getattr(node.target, "overloadpacket", node.target)
-        if node.op in ("placeholder", "output", "get_attr") or target in banned:
-            env[node] = new.node_copy(node, lambda x: env[x])
-            continue
-        args, args_spec = pytree.tree_flatten(node.args)
-        kwargs, kwargs_spec = pytree.tree_flatten(node.kwargs)
-        args = tuple(env[a] if isinstance(a, torch.fx.Node) and a in env else a for a in args)
-        kwargs = tuple(env[a] if isinstance(a, torch.fx.Node) and a in env else a
-                       for a in kwargs)
-        token = {"target": node.target, "args": args, "args_spec": args_spec,
-                 "kwargs": kwargs, "kwargs_spec": kwargs_spec}
-        key = (node.target, hash((args, kwargs)))
-        if key in seen and tokens[key] == token:
-            modified = True
-            env[node] = seen[key]
-            continue
-        env[node] = new.node_copy(node, lambda x: env[x])
-        if key not in seen:
-            seen[key], tokens[key] = env[node], token
-    return new if modified else graph
 
 
 def _cast_scalars_once(gm):

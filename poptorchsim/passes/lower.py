@@ -379,16 +379,25 @@ def _share_available_memory(graph):
             weights = [root.get(t.id, t) for t in op.input_tensors()]
             weights = [w for w in weights if w.role == "param"]
             annotated.append((op, weights))
+    if not annotated:
+        return
+    # the AMP ops that may take one: by the weights they read, by the shapes they make
+    readers, makers, index = {}, {}, {}
+    for k, op in enumerate(graph.ops):
+        if op.cost_class not in _AMP_CLASSES or op.available_memory is not None:
+            continue
+        index[op] = k
+        for t in op.input_tensors():
+            readers.setdefault(root.get(t.id, t).id, []).append(op)
+        for t in op.outputs:
+            if t is not None:
+                makers.setdefault(t.shape, []).append(op)
     for fwd, weights in annotated:
         shapes = {w.shape for w in weights} | {tuple(reversed(w.shape)) for w in weights}
-        ids = {w.id for w in weights}
-        for op in graph.ops:
-            if op is fwd or op.cost_class not in _AMP_CLASSES or \
-                    op.available_memory is not None or op.block != fwd.block:
-                continue
-            reads = any(root.get(t.id, t).id in ids for t in op.input_tensors())
-            makes = any(t is not None and t.shape in shapes for t in op.outputs)
-            if reads or makes:
+        found = {op for w in weights for op in readers.get(w.id, ())}
+        found.update(op for shape in shapes for op in makers.get(shape, ()))
+        for op in sorted(found, key=index.__getitem__):
+            if op.available_memory is None and op.block == fwd.block:
                 op.available_memory = fwd.available_memory
 
 
