@@ -693,7 +693,8 @@ def _update_by_parameter(plan, layouts, n_groups, unit_scale, traces):
     that the two traces agree op for op), and each copy takes its
     parameter's shape; a kind whose trace depends on the shape (a tensor of
     another shape, a list argument, traces that disagree) is traced for
-    every shape.  The copies are merged as torch.fx's CSE pass merges them
+    every shape, and so is a 0-d or empty parameter (type promotion treats
+    0-d tensors apart).  The copies are merged as torch.fx's CSE pass merges them
     (``_Copies``).  None when a traced rule holds tensor constants."""
     n, n_h, n_g = len(layouts), len(plan.hyper), len(plan.globals)
 
@@ -731,14 +732,18 @@ def _update_by_parameter(plan, layouts, n_groups, unit_scale, traces):
             sub, shape = known[0], known[1]
             if any(node.op == "get_attr" for node in sub.nodes):
                 return None
-            others = [m for m in members if m.shape != shape]
+            # a 0-d parameter promotes with the 0-d hyperparameters (float32 * float64
+            # is float64 there), an empty one has no elements: never a copy of
+            # another shape's trace
+            others = [m for m in members if m.shape != shape and _plain(m.shape)
+                      and _plain(shape)]
             if others and known[2] is None:
                 known[2] = _shape_free(sub, shape)
                 if known[2]:
                     second = _second(others, shape)
                     known[2] = _same_rule(sub, shape, trace(second), second.shape)
             for layout in members:
-                if layout.shape == shape or known[2]:
+                if layout.shape == shape or (known[2] and layout in others):
                     template[layout] = (sub, shape)
                 else:
                     own = trace(layout)
@@ -894,12 +899,16 @@ def _representative(members):
                 next((m for m in members if len(m.shape)), members[0]))
 
 
-def _second(members, shape):
-    """Another shape of the kind to trace it again at: of another rank where
-    there is one."""
-    others = [m for m in members if m.shape != shape]
-    return next((m for m in others if len(m.shape) != len(shape) and len(m.shape)),
-                next((m for m in others if len(m.shape)), others[0]))
+def _plain(shape):
+    """A shape another shape's trace may stand for: one dimension or more, and
+    elements."""
+    return len(shape) > 0 and math.prod(shape) > 0
+
+
+def _second(others, shape):
+    """Another shape of the kind (``others``: none 0-d, none ``shape``) to
+    trace it again at: of another rank where there is one."""
+    return next((m for m in others if len(m.shape) != len(shape)), others[0])
 
 
 _SCALAR_ARGS = (bool, int, float, torch.dtype, torch.device, torch.layout,
@@ -944,18 +953,13 @@ def _same_rule(a, shape_a, b, shape_b):
             return v
         return (v.dtype, "param" if tuple(v.shape) == shape else tuple(v.shape))
 
-    def agree(p, q):
-        # at a 0-d ``shape_b`` the parameter's tensors look like scalars
-        return p == q or (shape_b == () and isinstance(p, tuple) and isinstance(q, tuple)
-                          and len(p) == len(q) == 2 and p[0] == q[0] and q[1] == "param"
-                          and p[1] in ("param", ()))
     for x, y in zip(nodes_a, nodes_b):
         if (x.op, x.target, x.name) != (y.op, y.target, y.name) or \
                 spec(x, index_a) != spec(y, index_b):
             return False
         vx = [kind(v, shape_a) for v in pytree.tree_leaves(x.meta.get("val"))]
         vy = [kind(v, shape_b) for v in pytree.tree_leaves(y.meta.get("val"))]
-        if len(vx) != len(vy) or not all(agree(p, q) for p, q in zip(vx, vy)):
+        if vx != vy:
             return False
     return True
 
