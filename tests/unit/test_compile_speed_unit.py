@@ -6,6 +6,7 @@ against a live set per op, the optimizer update stitched from one trace per
 kind of parameter against one trace per layout followed by torch.fx's CSE
 pass, and argument walks against pytree."""
 import dataclasses
+import gc
 import random
 from types import SimpleNamespace
 
@@ -22,6 +23,7 @@ from poptorchsim.capture.update_rules import UpdatePlan, RULES
 from poptorchsim.passes import memory, recompute
 from poptorchsim.passes.lower import _map_only
 from poptorchsim.passes.tile_mapping import TileMapping
+from poptorchsim.runtime import collector
 
 
 # -- memory: the sweep is the dense product ------------------------------------------------
@@ -303,3 +305,26 @@ def test_map_only_and_tensor_walks_match_pytree():
         assert _map_only(int, f, x) == pytree.tree_map_only(int, f, x)
         expected = [y for y in pytree.tree_leaves(x) if isinstance(y, torch.Tensor)]
         assert [id(y) for y in blocks._tensors(x)] == [id(y) for y in expected]
+
+
+# -- the collector ----------------------------------------------------------------------------------
+def test_the_collector_is_paused_while_compiling_and_restored():
+    seen = []
+
+    @collector.paused
+    def compile_(fail=False):
+        seen.append(gc.isenabled())
+        if fail:
+            raise ValueError("no")
+        return 1
+    assert gc.isenabled()
+    assert compile_() == 1 and seen == [False] and gc.isenabled()
+    with pytest.raises(ValueError):
+        compile_(fail=True)
+    assert gc.isenabled()
+    gc.disable()                    # a caller's choice stays
+    try:
+        compile_()
+        assert not gc.isenabled() and seen[-1] is False
+    finally:
+        gc.enable()
