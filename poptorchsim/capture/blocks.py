@@ -115,8 +115,8 @@ class _BlockCrossings(TorchFunctionMode):
         block = custom.get("block")
         follow = block != NO_ACTIVE_BLOCK and not custom.get("backward")
         if follow:
-            for t in pytree.tree_leaves((args, kwargs)):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+            for t in _tensors((args, kwargs)):
+                if t.requires_grad:
                     src = self.produced.get(id(t), _UNSEEN)
                     if src is None and t.grad_fn is None:
                         continue     # a leaf made ready before the forward (a parameter)
@@ -125,11 +125,37 @@ class _BlockCrossings(TorchFunctionMode):
                         t.register_hook(_switch_to(src))
         out = func(*args, **kwargs)
         if follow:
-            for t in pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self.produced[id(t)] = block
-                    self.keep.append(t)
+            for t in _tensors(out):
+                self.produced[id(t)] = block
+                self.keep.append(t)
         return out
+
+
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+            torch.memory_format, torch.Size)
+
+
+def _tensors(x, found=None):
+    """The tensors among ``pytree.tree_leaves(x)``, in order: tuples, lists
+    and dicts walked directly (every torch call of a traced model passes
+    here), other containers by pytree."""
+    found = [] if found is None else found
+    if isinstance(x, torch.Tensor):
+        found.append(x)
+        return found
+    t = type(x)
+    if t is tuple or t is list:
+        for y in x:
+            if isinstance(y, torch.Tensor):
+                found.append(y)
+            elif not isinstance(y, _SCALARS):
+                _tensors(y, found)
+    elif t is dict:
+        for y in x.values():
+            _tensors(y, found)
+    elif not isinstance(x, _SCALARS):
+        found.extend(y for y in pytree.tree_leaves(x) if isinstance(y, torch.Tensor))
+    return found
 
 
 @contextlib.contextmanager

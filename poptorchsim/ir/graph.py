@@ -53,7 +53,13 @@ class Tensor:
 
 
 def _itemsize(dtype):
-    return torch.empty((), dtype=dtype).element_size()
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return size
+
+
+_ITEMSIZE = {}          # dtype -> bytes of one element
 
 
 @dataclass(eq=False)
@@ -90,19 +96,24 @@ class Op:
 
     def input_tensors(self):
         found = []
-
-        def visit(x):
-            if isinstance(x, Tensor):
-                found.append(x)
-            elif isinstance(x, (list, tuple)):
-                for y in x:
-                    visit(y)
-            elif isinstance(x, dict):
-                for y in x.values():
-                    visit(y)
-        visit(self.args)
-        visit(self.kwargs)
+        _collect(self.args, found)
+        _collect(self.kwargs, found)
         return found
+
+
+def _collect(x, found):
+    """The Tensors in ``x`` (nested lists, tuples and dicts), in order."""
+    if isinstance(x, dict):
+        x = x.values()
+    elif not isinstance(x, (list, tuple)):
+        if isinstance(x, Tensor):
+            found.append(x)
+        return
+    for y in x:
+        if isinstance(y, Tensor):
+            found.append(y)
+        elif isinstance(y, (list, tuple, dict)):
+            _collect(y, found)
 
 
 def subgraph_inputs(op, name):

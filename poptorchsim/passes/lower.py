@@ -79,6 +79,37 @@ class _Scope:
         self.free, self.outer = {}, []
 
 
+_LIST, _DICT = torch.fx.immutable_collections.immutable_list, \
+    torch.fx.immutable_collections.immutable_dict
+
+
+def _map_only(kind, fn, x):
+    """``pytree.tree_map_only(kind, fn, x)``, the containers fx arguments are
+    made of (tuples, lists, dicts and fx's immutable ones) walked directly,
+    anything else handed to pytree: the same result, without pytree's cost
+    per leaf (lowering maps every argument of every node)."""
+    if isinstance(x, kind):
+        return fn(x)
+    t = type(x)
+    if t is tuple:
+        return tuple([_map_only(kind, fn, y) for y in x])
+    if t is list:
+        return [_map_only(kind, fn, y) for y in x]
+    if t is dict:
+        return {k: _map_only(kind, fn, v) for k, v in x.items()}
+    if t is _LIST:
+        return _LIST([_map_only(kind, fn, y) for y in x])
+    if t is _DICT:
+        return _DICT({k: _map_only(kind, fn, v) for k, v in x.items()})
+    if t in _LEAVES:
+        return x
+    return pytree.tree_map_only(kind, fn, x)
+
+
+_LEAVES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+           torch.memory_format)
+
+
 def lower(gm, name, roles, n_model_outputs=0):
     """Lower ``gm`` to an IR graph; ``roles[i]`` = (name, role) of placeholder i;
     the first ``n_model_outputs`` outputs are the model's own."""
@@ -116,8 +147,7 @@ def lower(gm, name, roles, n_model_outputs=0):
         return scope.free[t]
 
     def arg(x):
-        return pytree.tree_map_only(
-            torch.fx.Node, lambda n: pytree.tree_map_only(Tensor, bring, env[n]), x)
+        return _map_only(torch.fx.Node, lambda n: _map_only(Tensor, bring, env[n]), x)
 
     def append(g, op, vals):
         """Adds control-flow ``op`` to ``g`` with new tensors for its results
@@ -349,16 +379,25 @@ def _share_available_memory(graph):
             weights = [root.get(t.id, t) for t in op.input_tensors()]
             weights = [w for w in weights if w.role == "param"]
             annotated.append((op, weights))
+    if not annotated:
+        return
+    # the AMP ops that may take one: by the weights they read, by the shapes they make
+    readers, makers, index = {}, {}, {}
+    for k, op in enumerate(graph.ops):
+        if op.cost_class not in _AMP_CLASSES or op.available_memory is not None:
+            continue
+        index[op] = k
+        for t in op.input_tensors():
+            readers.setdefault(root.get(t.id, t).id, []).append(op)
+        for t in op.outputs:
+            if t is not None:
+                makers.setdefault(t.shape, []).append(op)
     for fwd, weights in annotated:
         shapes = {w.shape for w in weights} | {tuple(reversed(w.shape)) for w in weights}
-        ids = {w.id for w in weights}
-        for op in graph.ops:
-            if op is fwd or op.cost_class not in _AMP_CLASSES or \
-                    op.available_memory is not None or op.block != fwd.block:
-                continue
-            reads = any(root.get(t.id, t).id in ids for t in op.input_tensors())
-            makes = any(t is not None and t.shape in shapes for t in op.outputs)
-            if reads or makes:
+        found = {op for w in weights for op in readers.get(w.id, ())}
+        found.update(op for shape in shapes for op in makers.get(shape, ()))
+        for op in sorted(found, key=index.__getitem__):
+            if op.available_memory is None and op.block == fwd.block:
                 op.available_memory = fwd.available_memory
 
 

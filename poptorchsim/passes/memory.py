@@ -121,9 +121,12 @@ def _buffers(graph):
     parent = {}
 
     def find(t):
-        while t.id in parent:
-            t = parent[t.id]
-        return t
+        root = t
+        while root.id in parent:
+            root = parent[root.id]
+        while t.id in parent and parent[t.id] is not root:     # shorten the path
+            parent[t.id], t = root, parent[t.id]
+        return root
 
     last = {}
     for k, op in enumerate(graph.ops):
@@ -156,9 +159,183 @@ def _buffers(graph):
     return find
 
 
-def _live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True):
+class Liveness:
+    """Which buffers are live at each op: the rows of an (ops x buffers)
+    boolean matrix, kept as each buffer's interval (``start`` to ``end``,
+    less the ops strictly between ``lo`` and ``hi`` where recomputation frees
+    it) and, in phased execution with activations off chip, the phases that
+    touch it.  ``live[k]`` is row ``k``; ``np.asarray(live)`` the matrix."""
+
+    def __init__(self, n_ops, start, end, lo, hi, op_phase=None, allowed=None):
+        self.n_ops = n_ops
+        self.start, self.end, self.lo, self.hi = start, end, lo, hi
+        self.op_phase = op_phase          # per op: its phase's column of ``allowed``
+        self.allowed = allowed            # buffers x phases: the phases touching each
+
+    @property
+    def shape(self):
+        return (self.n_ops, len(self.start))
+
+    def __len__(self):
+        return self.n_ops
+
+    def __getitem__(self, k):
+        if not isinstance(k, (int, np.integer)):
+            return np.asarray(self)[k]
+        if k < 0:
+            k += self.n_ops
+        if not 0 <= k < self.n_ops:
+            raise IndexError(f"op {k} of {self.n_ops}")
+        row = (self.start <= k) & (k <= self.end) & ~((k > self.lo) & (k < self.hi))
+        if self.allowed is not None:
+            row &= self.allowed[:, self.op_phase[k]]
+        return row
+
+    def __array__(self, dtype=None, copy=None):
+        steps = np.arange(self.n_ops)[:, None]
+        live = (steps >= self.start[None, :]) & (steps <= self.end[None, :])
+        live &= ~((steps > self.lo[None, :]) & (steps < self.hi[None, :]))
+        if self.allowed is not None:
+            live &= self.allowed[:, self.op_phase].T
+        return live if dtype is None else live.astype(dtype)
+
+    def intervals(self):
+        """(buffer, first op, last op) of every run of ops a buffer is live at."""
+        start, end, lo, hi = self.start, self.end, self.lo, self.hi
+        n = np.arange(len(start))
+        # [start, end] less (lo, hi): [start, min(end, lo)] and [max(start, hi), end]
+        a1, b1 = start, np.minimum(end, lo)
+        a2, b2 = np.maximum(start, hi), end
+        keep1, keep2 = a1 <= b1, a2 <= b2
+        runs = (np.concatenate([n[keep1], n[keep2]]), np.concatenate([a1[keep1], a2[keep2]]),
+                np.concatenate([b1[keep1], b2[keep2]]))
+        if self.allowed is None:
+            return runs
+        # only at the ops of the phases that touch the buffer
+        pieces = ([], [], [])
+        for i, a, b in zip(*runs):
+            mask = self.allowed[i, self.op_phase[a:b + 1]]
+            edges = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]])))
+            for s, e in zip(edges[::2], edges[1::2]):
+                pieces[0].append(i)
+                pieces[1].append(a + s)
+                pieces[2].append(a + e - 1)
+        return tuple(np.asarray(p, dtype=np.int64) for p in pieces)
+
+
+def _usage(live, buffers, scale, tiles, temps):
+    """Bytes live on each tile at each op (ops x tiles, float64): the sum of
+    the live buffers' bytes, swept over the ops (a buffer added where a run
+    of its liveness begins, taken away after it ends) in time linear in the
+    ops and the buffers' tiles, plus ``temps`` (an (ops x tiles) array, 0 or
+    a ``_Temps``).  Bytes are whole numbers, so the sum is exact whatever
+    the order; temporary bytes may hold fractions, and are added after it,
+    each element once, as ``sum + temps`` would."""
+    delta = np.zeros((live.n_ops + 1, tiles))
+    rows = {}
+    for i, a, b in zip(*live.intervals()):
+        i = int(i)
+        if i not in rows:
+            rows[i] = _placed(buffers[i].mapping, tiles, scale[i])
+        for lo, hi, values in rows[i]:
+            delta[a, lo:hi] += values
+            delta[b + 1, lo:hi] -= values
+    if not isinstance(temps, _Temps):
+        _running_sum(delta)
+        usage = delta[:live.n_ops]
+        usage += temps
+        return usage
+    if temps.loads and temps.whole():
+        temps.sweep(delta)            # whole numbers: in the sweep, still exact
+        _running_sum(delta)
+        return delta[:live.n_ops]
+    _running_sum(delta)
+    usage = delta[:live.n_ops]
+    if temps.loads:
+        usage += temps.dense()
+    else:                             # the rows that are not zero (x + 0 is x)
+        for k, row in temps.rows.items():
+            usage[k] += row
+    return usage
+
+
+def _running_sum(rows):
+    """``np.cumsum(rows, axis=0)`` in place, a row at a time: the same sums
+    in the same order, several times faster than numpy's walk down each
+    column of a C-ordered array."""
+    for k in range(1, len(rows)):
+        np.add(rows[k - 1], rows[k], out=rows[k])
+
+
+class _Temps:
+    """A graph's temporary bytes per tile on one IPU (ops x tiles), kept as
+    the rows of ops that have any and the off-chip variables the graph loads
+    (``loads``: (bytes per tile, phase or None), at every op or at the ops of
+    that phase, ``op_phase``)."""
+
+    def __init__(self, n_ops, tiles, op_phase=None):
+        self.n_ops, self.tiles, self.op_phase = n_ops, tiles, op_phase
+        self.rows, self.loads = {}, []
+
+    def add(self, k, temp):
+        """Row ``k`` plus ``temp`` (bytes per tile, or 0)."""
+        if isinstance(temp, (int, float)) and temp == 0:
+            return
+        if k not in self.rows:
+            self.rows[k] = np.zeros(self.tiles)
+        self.rows[k] += temp
+
+    def whole(self):
+        """Every row holds whole numbers of bytes."""
+        return all(np.array_equal(row, np.floor(row)) for row in self.rows.values())
+
+    def dense(self):
+        temps = np.zeros((self.n_ops, self.tiles))
+        for k, row in self.rows.items():
+            temps[k] = row
+        if self.n_ops:
+            _add_loaded(temps, self.loads, self.op_phase)
+        return temps
+
+    def sweep(self, delta):
+        """Into ``delta`` (the sweep's changes per op): each row at its op,
+        each load over its ops.  Whole numbers only (exact in any order)."""
+        for k, row in self.rows.items():
+            delta[k] += row
+            delta[k + 1] -= row
+        totals = {}
+        for nbytes, phase in self.loads:
+            totals[phase] = totals[phase] + nbytes if phase in totals else nbytes.copy()
+        for phase, nbytes in totals.items():
+            if phase is None:
+                delta[0] += nbytes
+                continue
+            mask = np.asarray(self.op_phase) == phase
+            edges = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]])))
+            for a, b in zip(edges[::2], edges[1::2]):
+                delta[a] += nbytes
+                delta[b] -= nbytes
+
+
+def _placed(mapping, tiles, scale):
+    """``mapping``'s bytes per tile times ``scale`` as (first tile, end tile,
+    values) slices (two where it wraps round the tile array)."""
+    if not mapping.nbytes:
+        return []
+    values = mapping._used() * scale
+    start, n = mapping.start % tiles, mapping.n_tiles
+    if n > tiles:                      # more tiles than the array: as bytes_per_tile does
+        return [(0, tiles, mapping.bytes_per_tile(tiles) * scale)]
+    if start + n <= tiles:
+        return [(start, start + n, values)]
+    cut = tiles - start
+    return [(start, tiles, values[:cut]), (0, n - cut, values[cut:])]
+
+
+def _live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True, find=None):
     """(usage, live, buffers): bytes live on each tile at each op (ops x tiles),
-    which buffers are live at each op (ops x buffers), and the buffers.
+    which buffers are live at each op (a ``Liveness``: ops x buffers), and the
+    buffers.
 
     Each buffer lives from the op that first writes it to the last use of any
     tensor stored in it.  Outputs of a graph that overwrites its variables
@@ -167,11 +344,12 @@ def _live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True):
     of every op; a buffer then occupies the tiles only in the phases that
     write or read it, and waits in Streaming Memory in between.
     ``recomputing=False``: as if the graph's recomputed ops kept their
-    results (to measure what recomputation saves)."""
+    results (to measure what recomputation saves).  ``find``: the graph's
+    ``_buffers``, where the caller has it."""
     n_ops = len(graph.ops)
     if n_ops == 0:
         return np.zeros((0, tiles)), np.zeros((0, 0), dtype=bool), []
-    find = _buffers(graph)
+    find = find or _buffers(graph)
     overwrite = graph.outputs_overwrite_inputs
     skip = {t.id for t in graph.outputs} if overwrite else set()
     first, last, buffers = {}, {}, {}
@@ -217,22 +395,22 @@ def _live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True):
                 scale[n] = stash.get(producer_stage[i], 1)
     start = np.array([first[i] for i in ids], dtype=np.int64)
     end = np.array([last[i] for i in ids], dtype=np.int64)
-    steps = np.arange(n_ops)[:, None]
-    live = (steps >= start[None, :]) & (steps <= end[None, :])
-    live &= ~((steps > gap_lo[None, :]) & (steps < gap_hi[None, :]))
+    phase_column = allowed = None
     if op_phase is not None and ids:
         op_phase = np.asarray(op_phase)
-        touched = {i: set() for i in ids}
+        phases, phase_column = np.unique(op_phase, return_inverse=True)
+        column = {int(p): c for c, p in enumerate(phases)}
+        allowed = np.zeros((len(ids), len(phases)), dtype=bool)
+        index = {i: n for n, i in enumerate(ids)}
         for k, op in enumerate(graph.ops):
+            c = column[int(op_phase[k])]
             for t in list(op.input_tensors()) + [o for o in op.outputs if o is not None]:
-                r = find(t)
-                if r.id in touched:
-                    touched[r.id].add(int(op_phase[k]))
-        for n, i in enumerate(ids):
-            live[:, n] &= np.isin(op_phase, sorted(touched[i]))
-    per_tensor = (np.stack([buffers[i].mapping.bytes_per_tile(tiles) for i in ids])
-                  * scale[:, None] if ids else np.zeros((0, tiles)))
-    return live.astype(np.float64) @ per_tensor + temps, live, [buffers[i] for i in ids]
+                n = index.get(find(t).id)
+                if n is not None:
+                    allowed[n, c] = True
+    live = Liveness(n_ops, start, end, gap_lo, gap_hi, phase_column, allowed)
+    order = [buffers[i] for i in ids]
+    return _usage(live, order, scale, tiles, temps), live, order
 
 
 def _vertex_state(op, tiles):
@@ -278,7 +456,7 @@ def _subgraph_memory(op, cost, tiles, ipu):
     return temp, state
 
 
-def plan_memory(program, variables, target, costs, ipu=0, locations=None):
+def plan_memory(program, variables, target, costs, ipu=0, locations=None, shared=None):
     """The ``MemoryReport`` of ``program`` on IPU ``ipu``.
 
     ``variables``: name -> Tensor of every always-live device variable;
@@ -286,8 +464,11 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None):
     ``locations``: name -> ``passes.locations.Location`` of the variables
     that are sharded across replicas or live in Streaming Memory.  A sharded
     variable keeps its share on chip; an off-chip one is loaded onto its
-    tiles only while a graph that reads it runs.
+    tiles only while a graph that reads it runs.  ``shared``: a dict the
+    reports of one program's IPUs share (which activations share a buffer
+    is the same on every IPU).
     """
+    shared = {} if shared is None else shared
     tiles = target.tiles
     locations = locations or {}
     phased = program.phase_of_stage if program.phased else None
@@ -326,25 +507,23 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None):
     recomputation, recomputed_ops = "None", []
     graphs = {}
     for graph in program.graphs.values():
-        temps = np.zeros((len(graph.ops), tiles))
+        op_phase = (np.array([phased[op.stage] for op in graph.ops], dtype=np.int64)
+                    if phased else None)
+        temps = _Temps(len(graph.ops), tiles, op_phase)
         for k, (op, cost) in enumerate(zip(graph.ops, costs[graph.name])):
             if op.ipu != ipu:
                 continue
             temp_k, state_k = _op_memory(op, cost, tiles, ipu)
-            temps[k] += temp_k
+            temps.add(k, temp_k)
             always += state_k
-        op_phase = (np.array([phased[op.stage] for op in graph.ops], dtype=np.int64)
-                    if phased else None)
-        for t in graph.inputs:          # off-chip variables this graph loads
-            if t.name in loaded and len(temps):
-                nbytes, phase = loaded[t.name]
-                if phase is None:
-                    temps += nbytes
-                else:
-                    temps[op_phase == phase] += nbytes
+        # off-chip variables this graph loads
+        temps.loads = [loaded[t.name] for t in graph.inputs if t.name in loaded]
         offload = phased and program.activations_off_chip
+        if graph.name not in shared:
+            shared[graph.name] = _buffers(graph)
+        find = shared[graph.name]
         usage, live, buffers = _live_usage(graph, tiles, temps, ipu,
-                                           op_phase if offload else None)
+                                           op_phase if offload else None, find=find)
         graphs[graph.name] = (usage, live, buffers)
         rec = graph.recompute
         if rec is not None and rec.mode:
@@ -352,7 +531,7 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None):
             recomputed_ops += [op.name for op in graph.ops if op in rec.ops]
         if rec and len(usage):
             without = _live_usage(graph, tiles, temps, ipu, op_phase if offload else None,
-                                  recomputing=False)[0]
+                                  recomputing=False, find=find)[0]
             plain = np.maximum(plain, without.max(axis=0).astype(np.int64))
         elif len(usage):
             plain = np.maximum(plain, usage.max(axis=0).astype(np.int64))
@@ -364,6 +543,37 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None):
                         recomputation=recomputation, recomputed_ops=recomputed_ops,
                         not_always_live_without_recomputation=(
                             plain if recomputed_ops else None))
+
+
+def _add_loaded(temps, loads, op_phase):
+    """``temps`` (ops x tiles) plus the bytes per tile of each variable in
+    ``loads`` ((bytes per tile, phase or None), in order) at every op, or at
+    the ops of its phase.  Rows of whole numbers take each phase's sum at
+    once (exact, so the same as adding one by one); a row holding a fraction
+    (a matmul's temporary share) takes them one by one, in order."""
+    if not loads:
+        return
+    fraction = (temps != np.floor(temps)).any(axis=1)
+    whole = ~fraction
+    every = not fraction.any()
+    totals = {}
+    for nbytes, phase in loads:
+        totals[phase] = totals[phase] + nbytes if phase in totals else nbytes.copy()
+    for phase, nbytes in totals.items():
+        if phase is None and every:
+            temps += nbytes
+            continue
+        rows = whole if phase is None else whole & (op_phase == phase)
+        temps[rows] += nbytes
+    if not every:
+        rows = np.flatnonzero(fraction)
+        part = temps[rows]
+        for nbytes, phase in loads:
+            if phase is None:
+                part += nbytes
+            else:
+                part[op_phase[rows] == phase] += nbytes
+        temps[rows] = part
 
 
 def variable_phases(program):

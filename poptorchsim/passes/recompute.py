@@ -34,6 +34,7 @@ segment's results) to their last backward reader.  Numerics do not change:
 the engine runs the graph once, recomputation only changes the memory and
 cycle model.
 """
+import bisect
 import logging
 import math
 from dataclasses import dataclass, field
@@ -200,9 +201,15 @@ def _standard_kept(ops, order):
     """PopART's Standard recomputation: the forward ops kept.  After each
     forward op, the live set holds the ops whose results some later forward
     op still reads (and op i itself); in every interval the live set of
-    fewest bytes is kept."""
+    fewest bytes is kept.
+
+    Op ``j`` is alive after ops ``j`` to ``last_read[j] - 1``, so the bytes
+    alive after each op are a running sum of those spans (linear in the
+    ops, not a live set per op), and the live sets are read only at the
+    moments each interval picks."""
     if not order:
         return set()
+    n = len(order)
     position = {k: i for i, k in enumerate(order)}
     last_read = {}
     made = _producers(ops, order)
@@ -213,15 +220,24 @@ def _standard_kept(ops, order):
                 last_read[p] = max(last_read.get(p, position[p]), position[k])
     nbytes = [0 if ops[k].cost_class == "view" else
               sum(t.nbytes for t in ops[k].outputs if t is not None) for k in order]
-    live_sets, memory = [], []
-    for i in range(len(order)):
-        live = [order[j] for j in range(i + 1) if j == i or last_read.get(order[j], j) > i]
-        live_sets.append(live)
-        memory.append(sum(nbytes[position[k]] for k in live))
+    # op j (at position j) is alive after the ops j .. max(j, last_read - 1)
+    until = [max(j, last_read.get(order[j], j) - 1) for j in range(n)]
+    change = [0] * (n + 1)
+    for j in range(n):
+        change[j] += nbytes[j]
+        change[until[j] + 1] -= nbytes[j]
+    memory, alive = [], 0
+    for i in range(n):
+        alive += change[i]
+        memory.append(alive)
+    best = sorted({min(range(begin, end), key=lambda i: memory[i])
+                   for begin, end in _decreasing_intervals(n)})
     kept = set()
-    for begin, end in _decreasing_intervals(len(order)):
-        best = min(range(begin, end), key=lambda i: memory[i])
-        kept.update(live_sets[best])
+    for j in range(n):
+        # alive at some chosen moment i: j <= i <= until[j]
+        b = bisect.bisect_left(best, j)
+        if b < len(best) and best[b] <= until[j]:
+            kept.add(order[j])
     return kept
 
 

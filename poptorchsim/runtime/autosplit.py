@@ -1,7 +1,8 @@
 """Beyond PopTorch: where to put the ``BeginBlock``s for N IPUs.
 
 ``suggest_split(model, num_ipus, *example_inputs)`` compiles the model once
-with every layer tagged as its own block, reads each layer's cycles (forward
+with every layer tagged as its own block (the trace finds the order the
+model calls them in), reads each layer's cycles (forward
 and backward) and memory (its parameters, optimizer state, gradients and
 activations) from the machine model, and splits the layers, in execution
 order, into ``num_ipus`` contiguous groups that balance both: it minimises the
@@ -98,19 +99,6 @@ def _layers(model, num_ipus):
     return units
 
 
-def _record_order(model, units, example):
-    order = []
-    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: order.append(n))
-               for n, m in units]
-    try:
-        with torch.no_grad():
-            model(*example)
-    finally:
-        for h in handles:
-            h.remove()
-    return list(dict.fromkeys(order))
-
-
 MEMORY_BUDGET = 0.8     # share of an IPU's memory a group may fill (headroom for code)
 
 
@@ -159,12 +147,8 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
     target = target or default_target()
     units = _layers(model, num_ipus)
     by_name = dict(units)
-    order = _record_order(model, units, example_inputs)
-    units = [(n, by_name[n]) for n in order]
-    if len(units) < num_ipus:
-        from ..errors import Error
-        raise Error(f"The model has {len(units)} layers to split but {num_ipus} IPUs "
-                    "were asked for; use fewer IPUs.")
+    # every candidate layer its own block: the trace records the layers in the
+    # order the model calls them (no eager run of the model to find it)
     handles = [m.register_forward_pre_hook(
         lambda mod, args, n=n: _blocks.enter_block(n, 0, args)) for n, m in units]
     import logging
@@ -183,6 +167,11 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
         log.setLevel(level)
         for h in handles:
             h.remove()
+    units = [(n, by_name[n]) for n, _ in compiled.capture.blocks if n in by_name]
+    if len(units) < num_ipus:
+        from ..errors import Error
+        raise Error(f"The model has {len(units)} layers to split but {num_ipus} IPUs "
+                    "were asked for; use fewer IPUs.")
     name = "training_step" if training else "inference_forward"
     graph, costs = compiled.program.graphs[name], compiled.costs[name]
     stage_of = _OneStagePerBlock().assign(compiled.capture.blocks)

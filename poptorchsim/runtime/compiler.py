@@ -56,6 +56,7 @@ from ..passes.pipeline import has_default_block, input_ipus, input_stages, place
 from ..passes.placement import Placement, place
 from ..passes.program import build_main
 from ..passes.tile_mapping import map_graph
+from . import collector
 from .precision import (add_scale_update, apply as apply_precision, float_statistics_forward,
                         floating_point_checks, watch_gradients)
 from .update import (build_update, check_loss_scaling, numeric_update, sharded_state,
@@ -121,10 +122,12 @@ class _Passes:
     def close(self):
         self.bar.update(1)
         self.bar.close()
+        collector.collect_young()
         return time.perf_counter() - self.start
 
 
 # -- the compile paths -----------------------------------------------------------------
+@collector.paused
 def compile_training(model, optimizer, args, kwargs, config):
     """``model`` and ``optimizer`` compiled for the example micro-batch
     ``args``/``kwargs`` under ``config`` (a ``runtime.config.CompileConfig``)."""
@@ -184,6 +187,7 @@ def compile_training(model, optimizer, args, kwargs, config):
                     pass_seconds=run.seconds)
 
 
+@collector.paused
 def compile_inference(model, args, kwargs, config):
     """``model``'s forward compiled for the example micro-batch under ``config``."""
     c = config
@@ -218,6 +222,7 @@ def compile_inference(model, args, kwargs, config):
                     pass_seconds=run.seconds)
 
 
+@collector.paused
 def rebuild_update(compiled, model, optimizer, config):
     """Re-traces only the optimizer update, for a new optimizer type or
     structure (steps 3, 6-15).  The step graph is kept, so the loss scaling
@@ -421,8 +426,9 @@ def _plan(program, target, c, run):
         accumulating=program.accumulation > 1)
     program = run.done("locate", program)
     program = run.done("control program", build_main(program))                         # 12
-    reports = [plan_memory(program, program.variables, target, costs, ipu, program.locations)
-               for ipu in range(program.n_ipus)]                                         # 13
+    shared = {}
+    reports = [plan_memory(program, program.variables, target, costs, ipu, program.locations,
+                           shared) for ipu in range(program.n_ipus)]                     # 13
     for report in reports:
         check_fits(report, target, c.allow_oom, program.n_ipus)
     memory = reports[0]

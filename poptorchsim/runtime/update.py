@@ -35,16 +35,19 @@ class UpdateGraph:
     flags: list
     slots: list
     layouts: list
+    traces: dict = None       # the rules traced per parameter layout (capture_update)
 
 
-def build_update(model, optimizer, capture, plan, shards=None, unit_scale=False):
+def build_update(model, optimizer, capture, plan, shards=None, unit_scale=False, traces=None):
     """The optimizer-update graph for ``optimizer`` over the trainable params.
 
     A parameter in ``shards`` (name -> R) is updated as one replica's shard:
     a flat tensor of ceil(numel / R) elements.  ``unit_scale``: one
     micro-batch per update on one replica and no loss scaling, so gradients
-    need no scaling."""
+    need no scaling.  ``traces``: rules already traced for another update
+    of the same optimizer (``UpdateGraph.traces``)."""
     shards = shards or {}
+    traces = {} if traces is None else traces
     group_index = {}
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
@@ -63,7 +66,7 @@ def build_update(model, optimizer, capture, plan, shards=None, unit_scale=False)
             tuple((s.name, opt_layout.slot_dtype(plan, s, p.dtype)) for s in read),
             tuple((s.name, opt_layout.slot_dtype(plan, s, p.dtype)) for s in written)))
     n_groups = len(optimizer.param_groups)
-    update_fx = capture_update(plan, layouts, n_groups, unit_scale)
+    update_fx = capture_update(plan, layouts, n_groups, unit_scale, traces)
     grad = "velocity" if plan.into_state else "grad"     # SGD1: the combined tensor
     roles = ([(n, "param") for n in names] + [(f"{grad}/{n}", "accumulator") for n in names]
              + [(f"{s.name}/{n}", "state") for n, (read, _) in zip(names, slots)
@@ -78,7 +81,7 @@ def build_update(model, optimizer, capture, plan, shards=None, unit_scale=False)
     graph = mark_host_scalars(graph, counters=[f"step/{n}" for n in names])
     graph.outputs_overwrite_inputs = True     # variables are updated in place
     return UpdateGraph(graph, group_of, [plan.group_flags(g) for g in range(n_groups)],
-                   slots, layouts)
+                       slots, layouts, traces)
 
 
 def numeric_update(model, optimizer, capture, plan, shards, update, unit_scale):
@@ -90,7 +93,7 @@ def numeric_update(model, optimizer, capture, plan, shards, update, unit_scale):
     gives those values."""
     if not shards or plan.kind != "lamb":
         return update, shards
-    return build_update(model, optimizer, capture, plan, None, unit_scale), {}
+    return build_update(model, optimizer, capture, plan, None, unit_scale, update.traces), {}
 
 
 def sharded_state(model, optimizer, capture, settings, replicas, plan=None):
