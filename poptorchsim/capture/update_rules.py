@@ -1,5 +1,5 @@
 """The optimizer update's rules, traced into the update graph
-(``capture/trace.py``'s ``capture_update``), and the ``UpdatePlan`` that
+(``capture/update_capture.py``), and the ``UpdatePlan`` that
 says which rule, with which flags and state types, the graph is traced for.
 
 What PopTorch reads from an optimizer and refuses when it changes

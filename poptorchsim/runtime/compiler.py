@@ -84,7 +84,7 @@ class Compiled:
     shards: dict = field(default_factory=dict)   # param -> replicas its optimizer state is cut over
     plan: object = None               # the optimizer update's UpdatePlan
     slots: list = field(default_factory=list)    # per trainable param: (Slots read, Slots written)
-    layouts: list = field(default_factory=list)  # per trainable param: trace.ParamUpdate
+    layouts: list = field(default_factory=list)  # per trainable param: update_capture.ParamUpdate
     schedule: object = None           # passes.pipeline.Schedule of one weight update (or call)
     location_settings: dict = field(default_factory=dict)   # TensorLocations, as compiled
     precision: dict = None            # runtime.precision settings

@@ -4,7 +4,7 @@ host's scalar arithmetic marked; its sharding over replicas and the
 loss-scale update automatic loss scaling adds to it."""
 from dataclasses import dataclass
 
-from ..capture.trace import ParamUpdate, capture_update
+from ..capture.update_capture import ParamUpdate, capture_update
 from ..capture.update_rules import plan_update
 from ..errors import Error
 from ..passes import locations as tensor_locations

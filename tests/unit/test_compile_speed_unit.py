@@ -17,8 +17,8 @@ import torch.utils._pytree as pytree
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from poptorchsim.capture import blocks
-from poptorchsim.capture import trace as capture_trace
-from poptorchsim.capture.trace import ParamUpdate, _flatten, capture_update
+from poptorchsim.capture import trace as capture_trace, update_capture
+from poptorchsim.capture.update_capture import ParamUpdate, _flatten, capture_update
 from poptorchsim.capture.update_rules import UpdatePlan, RULES
 from poptorchsim.passes import memory, recompute
 from poptorchsim.passes.lower import _map_only
@@ -159,7 +159,7 @@ def _update_by_layout(plan, layouts, n_groups, unit_scale):
     n, n_h, n_g = len(layouts), len(plan.hyper), len(plan.globals)
 
     def one(layout):
-        prepare, apply = capture_trace._update_rule(plan, layout, unit_scale)
+        prepare, apply = update_capture._update_rule(plan, layout, unit_scale)
 
         def update(param, grad, state, step, hyper, globals_, grad_scale):
             step = step + 1
@@ -170,7 +170,7 @@ def _update_by_layout(plan, layouts, n_groups, unit_scale):
     traced = {}
     with capture_trace._tracing_scope():
         for layout in dict.fromkeys(layouts):
-            example = capture_trace._example(layout) + (
+            example = update_capture._example(layout) + (
                 [torch.zeros((), dtype=torch.float64) for _ in range(n_h)],
                 [torch.zeros((), dtype=torch.float64) for _ in range(n_g)],
                 torch.ones((), dtype=torch.float32))
@@ -203,7 +203,7 @@ def _update_by_layout(plan, layouts, n_groups, unit_scale):
         node.meta.setdefault("val", scalar)
     graph.output((new_params, new_state, new_steps))
     gm = CSEPass(get_CSE_banned_ops())(torch.fx.GraphModule(torch.nn.Module(), graph))
-    return capture_trace._cast_scalars_once(gm.graph_module)
+    return update_capture._cast_scalars_once(gm.graph_module)
 
 
 def _described(graph):

@@ -1,0 +1,439 @@
+"""The optimizer update captured: the update rules (``update_rules.py``)
+traced with ``make_fx`` over every trainable parameter's layout, one trace
+per kind of parameter (dtypes, group, state slots) copied to each
+parameter's shape, merged as they are made.  ``runtime/update.py`` lowers
+the result.  (The model's step is captured in ``trace.py``.)"""
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from . import update_rules as _opt
+from .trace import _tracing_scope
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class ParamUpdate:
+    """One trainable parameter as the update graph sees it."""
+    shape: tuple
+    dtype: torch.dtype              # the weight's
+    grad_dtype: torch.dtype         # the gradient input's (the accumulator's)
+    group: int                      # its param_group
+    slots_in: tuple = ()            # ((state name, dtype), ...) the update reads
+    slots_out: tuple = ()           # ... and writes
+
+
+def _update_rule(plan, layout, unit_scale):
+    """``(prepare, apply)`` for one parameter: ``prepare(grad, grad_scale)``
+    gives the gradient in the compute type with the loss scaling and the
+    mean reduction taken out; ``apply(param, g, state, step, hyper, globals,
+    grad_scale)`` gives the new parameter and state in their stored types.
+    The rule computes in float32 (float64 for a float64 weight)."""
+    rule = _opt.RULES[plan.kind]
+    flags = plan.group_flags(layout.group)
+    in_names = [n for n, _ in layout.slots_in]
+    cdt = torch.promote_types(layout.dtype, torch.float32)
+
+    def prepare(grad, grad_scale):
+        g = grad.to(cdt)
+        return g if unit_scale or not rule.scale_grad else g * grad_scale
+
+    def apply(param, g, state, step, hyper, globals_, grad_scale):
+        h = dict(zip(plan.hyper, hyper))
+        h.update(zip(plan.globals, globals_))
+        h["grad_scale"] = grad_scale
+        st = {n: s.to(cdt) for n, s in zip(in_names, state)}
+        new, new_state = rule.fn(param.to(cdt), g, st, h, step, flags)
+        return new.to(param.dtype), [new_state[n].to(dt) for n, dt in layout.slots_out]
+    return prepare, apply
+
+
+def _example(layout):
+    return (torch.zeros(layout.shape, dtype=layout.dtype),
+            torch.zeros(layout.shape, dtype=layout.grad_dtype),
+            [torch.zeros(layout.shape, dtype=dt) for _, dt in layout.slots_in],
+            torch.zeros((), dtype=torch.float32))
+
+
+def capture_update(plan, layouts, n_groups, unit_scale=False, traces=None):
+    """Trace one optimizer step over every trainable parameter.
+
+    ``plan``: the ``UpdatePlan`` (rule, flags per group, types, loss
+    scaling, ``max_grad_norm``: clip by the global gradient norm first, as
+    ``clip_grad_norm_`` does); ``layouts``: a ``ParamUpdate`` per trainable
+    parameter; ``unit_scale``: the gradient scale input is always 1 (one
+    micro-batch on one replica per update, no loss scaling), so gradients
+    are used as they are.  Inputs: ``(params, grads, state, steps, hyper,
+    globals, grad_scale)``; outputs ``(new params, new state, new steps)``.
+    ``traces``: a dict keeping the rules traced per parameter layout, to
+    share with another capture of the same optimizer (the update over whole
+    weights of a sharded one).
+    """
+    n_h, n_g = len(plan.hyper), len(plan.globals)
+    if plan.max_grad_norm is None and layouts:
+        stitched = _update_by_parameter(plan, layouts, n_groups, unit_scale,
+                                        {} if traces is None else traces)
+        if stitched is not None:
+            return stitched
+    rules = [_update_rule(plan, layout, unit_scale) for layout in layouts]
+    max_grad_norm = plan.max_grad_norm
+
+    def update(params, grads, state, steps, hyper, globals_, grad_scale):
+        grads = [prepare(g, grad_scale) for (prepare, _), g in zip(rules, grads)]
+        if max_grad_norm is not None:
+            total = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
+            grads = [g * coef for g in grads]
+        new_params, new_state, new_steps = [], [], []
+        for i, ((_, apply), layout) in enumerate(zip(rules, layouts)):
+            grp = layout.group
+            step = steps[i] + 1
+            p_new, s_new = apply(params[i], grads[i], state[i], step,
+                                 hyper[grp * n_h:(grp + 1) * n_h], globals_, grad_scale)
+            new_params.append(p_new)
+            new_state.append(s_new)
+            new_steps.append(step)
+        return new_params, new_state, new_steps
+
+    examples = [_example(layout) for layout in layouts]
+    example = (
+        [e[0] for e in examples], [e[1] for e in examples], [e[2] for e in examples],
+        [e[3] for e in examples],
+        [torch.zeros((), dtype=torch.float64) for _ in range(n_groups * n_h)],
+        [torch.zeros((), dtype=torch.float64) for _ in range(n_g)],
+        torch.ones((), dtype=torch.float32),
+    )
+    with _tracing_scope():
+        return _cast_scalars_once(make_fx(update, tracing_mode="fake")(*example))
+
+
+class GraphOnly:
+    """An fx graph where lowering takes a ``GraphModule`` (``.graph``): the
+    stitched update graph is lowered, never run, so it needs no Python code
+    generated for it."""
+
+    def __init__(self, graph):
+        self.graph = graph
+
+
+def _update_by_parameter(plan, layouts, n_groups, unit_scale, traces):
+    """The update graph of ``capture_update`` built from small traces of the
+    rule, copied once per parameter: without global clipping every
+    parameter's update is independent, and models repeat a few layouts many
+    times (tracing each op costs about a millisecond).
+
+    The rules are element-wise with whole-tensor reductions, so the rule
+    traced for one shape is the rule for every shape of the same types and
+    param group: only the shapes of its tensors change.  It is traced once
+    per such kind of parameter (and once more, at a second shape, to check
+    that the two traces agree op for op), and each copy takes its
+    parameter's shape; a kind whose trace depends on the shape (a tensor of
+    another shape, a list argument, traces that disagree) is traced for
+    every shape, and so is a 0-d or empty parameter (type promotion treats
+    0-d tensors apart).  The copies are merged as torch.fx's CSE pass merges them
+    (``_Copies``).  None when a traced rule holds tensor constants."""
+    n, n_h, n_g = len(layouts), len(plan.hyper), len(plan.globals)
+
+    def one(layout):
+        prepare, apply = _update_rule(plan, layout, unit_scale)
+
+        def update(param, grad, state, step, hyper, globals_, grad_scale):
+            step = step + 1
+            p_new, s_new = apply(param, prepare(grad, grad_scale), state, step, hyper,
+                                 globals_, grad_scale)
+            return p_new, s_new, step
+        return update
+
+    def trace(layout):
+        key = ("layout", plan, unit_scale, layout)
+        if key not in traces:
+            example = _example(layout) + (
+                [torch.zeros((), dtype=torch.float64) for _ in range(n_h)],
+                [torch.zeros((), dtype=torch.float64) for _ in range(n_g)],
+                torch.ones((), dtype=torch.float32))
+            traces[key] = make_fx(one(layout), tracing_mode="fake")(*example).graph
+        return traces[key]
+
+    template = {}                   # layout -> (traced graph, the shape it was traced at)
+    kinds = {}
+    for layout in dict.fromkeys(layouts):
+        kinds.setdefault(_replace_shape(layout, None), []).append(layout)
+    with _tracing_scope():
+        for kind, members in kinds.items():
+            # [graph, the shape it was traced at, whether it holds for every shape]
+            known = traces.setdefault(("kind", plan, unit_scale, kind), [None, None, None])
+            if known[0] is None:
+                first = _representative(members)
+                known[:2] = trace(first), first.shape
+            sub, shape = known[0], known[1]
+            if any(node.op == "get_attr" for node in sub.nodes):
+                return None
+            # a 0-d parameter promotes with the 0-d hyperparameters (float32 * float64
+            # is float64 there), an empty one has no elements: never a copy of
+            # another shape's trace
+            others = [m for m in members if m.shape != shape and _plain(m.shape)
+                      and _plain(shape)]
+            if others and known[2] is None:
+                known[2] = _shape_free(sub, shape)
+                if known[2]:
+                    second = _second(others, shape)
+                    known[2] = _same_rule(sub, shape, trace(second), second.shape)
+            for layout in members:
+                if layout.shape == shape or (known[2] and layout in others):
+                    template[layout] = (sub, shape)
+                else:
+                    own = trace(layout)
+                    if any(node.op == "get_attr" for node in own.nodes):
+                        return None
+                    template[layout] = (own, layout.shape)
+    copies = _Copies()
+    inputs = copies.inputs
+    params, grads = inputs("params", n), inputs("grads", n)
+    state = [inputs(f"state_{i}", len(layout.slots_in)) for i, layout in enumerate(layouts)]
+    steps = inputs("steps", n)
+    hyper = inputs("hyper", n_groups * n_h)
+    globals_ = inputs("globals", n_g)
+    grad_scale, = inputs("grad_scale", 1)
+    new_params, new_state, new_steps = [], [], []
+    for i, layout in enumerate(layouts):
+        grp, n_out = layout.group, len(layout.slots_out)
+        sub, traced_shape = template[layout]
+        ours = ([params[i], grads[i]] + state[i] + [steps[i]]
+                + hyper[grp * n_h:(grp + 1) * n_h] + globals_ + [grad_scale])
+        outs = pytree.tree_leaves(copies.copy(sub, ours, traced_shape, layout.shape))
+        new_params.append(outs[0])                 # make_fx returns a flat list
+        new_state.append(outs[1:1 + n_out])
+        new_steps.append(outs[1 + n_out])
+    graph = copies.graph
+    scalar = torch.empty((), dtype=torch.float64, device="meta")
+    for node in hyper + globals_:          # groups without trainable parameters
+        node.meta.setdefault("val", scalar)
+    graph.output((new_params, new_state, new_steps))
+    return _cast_scalars_once(GraphOnly(graph))
+
+
+class _Copies:
+    """The stitched update graph: each parameter's copy of its traced rule,
+    merged as ``graph_copy`` of every copy followed by torch.fx's CSE pass
+    (``torch.fx.passes.dialect.common.cse_pass``) would merge them, without
+    building the graph of all copies: a node is copied unless an earlier
+    node of the same target on the same arguments stands for it (each
+    parameter's copy recomputes the same scalar hyperparameter arithmetic,
+    ``1 - dampening``, ``-lr``, computed once per group instead), and every
+    node keeps the name it takes in the graph of all copies (``names``
+    follows that graph's namespace)."""
+
+    def __init__(self):
+        from torch.fx.passes.dialect.common.cse_pass import get_CSE_banned_ops
+        self.graph = torch.fx.Graph()
+        self.names = torch.fx.graph._Namespace()
+        self.banned = get_CSE_banned_ops()
+        self.seen, self.tokens = {}, {}
+        self.values = {}            # (shape, dtype) -> a meta tensor of them
+
+    def inputs(self, prefix, count):
+        nodes = [self.graph.placeholder(f"{prefix}_{k}") for k in range(count)]
+        for node in nodes:
+            self.names.create_name(node.name, None)
+        return nodes
+
+    def _value(self, node, traced_shape, shape):
+        """``node``'s value at ``shape``: tensors of the traced parameter's
+        shape take the parameter's."""
+        v = node.meta["val"]
+        if shape == traced_shape or not isinstance(v, torch.Tensor) \
+                or tuple(v.shape) != traced_shape:
+            return v
+        if (shape, v.dtype) not in self.values:
+            self.values[shape, v.dtype] = torch.empty(shape, dtype=v.dtype, device="meta")
+        return self.values[shape, v.dtype]
+
+    def copy(self, sub, ours, traced_shape, shape):
+        """Copies graph ``sub`` (traced at ``traced_shape``) for a parameter of
+        ``shape`` whose inputs are the placeholders ``ours``; returns the
+        copy's outputs."""
+        theirs = [node for node in sub.nodes if node.op == "placeholder"]
+        env = {}
+        for mine, node in zip(ours, theirs):
+            mine.meta.setdefault("val", self._value(node, traced_shape, shape))
+            env[node] = mine
+        for node in sub.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                return torch.fx.node.map_arg(node.args[0], env.__getitem__)
+            name = self.names.create_name(node.name, None)
+            args = torch.fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+            key = None
+            if node.op != "get_attr" and \
+                    getattr(node.target, "overloadpacket", node.target) not in self.banned:
+                flat, args_spec = _flatten(args)
+                flat_kw, kwargs_spec = _flatten(kwargs)
+                token = {"target": node.target, "args": tuple(flat), "args_spec": args_spec,
+                         "kwargs": tuple(flat_kw), "kwargs_spec": kwargs_spec}
+                key = (node.target, hash((token["args"], token["kwargs"])))
+                if key in self.seen and self.tokens[key] == token:
+                    env[node] = self.seen[key]
+                    continue
+            new = self.graph.create_node(node.op, node.target, args, kwargs, name, node.type)
+            new.meta = copy.copy(node.meta)
+            if shape != traced_shape and "val" in node.meta:
+                new.meta["val"] = self._value(node, traced_shape, shape)
+                new.meta.pop("tensor_meta", None)
+            env[node] = new
+            if key is not None and key not in self.seen:
+                self.seen[key], self.tokens[key] = new, token
+        raise AssertionError("a traced graph without an output")
+
+
+_IMMUTABLE_LIST = torch.fx.immutable_collections.immutable_list
+_IMMUTABLE_DICT = torch.fx.immutable_collections.immutable_dict
+_SEQUENCES = (tuple, list, _IMMUTABLE_LIST)
+_MAPPINGS = (dict, _IMMUTABLE_DICT)
+_LEAVES = (torch.fx.Node, bool, int, float, str, type(None), torch.dtype, torch.device,
+           torch.layout, torch.memory_format)
+
+
+class _Unusual(Exception):
+    """A container ``_flatten`` leaves to pytree."""
+
+
+def _flatten(x):
+    """``pytree.tree_flatten(x)`` for the arguments of fx nodes: the same
+    leaves, and a structure that is equal exactly where pytree's specs are
+    (the containers' types, a mapping's keys, the children's structures):
+    tuples, lists, dicts and fx's immutable ones walked directly, any other
+    container left to pytree."""
+    leaves = []
+
+    def walk(y):
+        t = type(y)
+        if t in _SEQUENCES:
+            return (t, tuple(walk(z) for z in y))
+        if t in _MAPPINGS:
+            return (t, tuple(y), tuple(walk(z) for z in y.values()))
+        if isinstance(y, _LEAVES):
+            leaves.append(y)
+            return None
+        raise _Unusual
+    try:
+        return leaves, ("spec", walk(x))
+    except _Unusual:
+        flat, spec = pytree.tree_flatten(x)
+        return flat, ("pytree", spec)
+
+
+def _replace_shape(layout, shape):
+    return dataclasses.replace(layout, shape=shape)
+
+
+def _representative(members):
+    """The layout a kind of parameter is traced at: one whose tensors cannot
+    be mistaken for the rule's scalars (two elements or more)."""
+    return next((m for m in members if len(m.shape) and math.prod(m.shape) > 1),
+                next((m for m in members if len(m.shape)), members[0]))
+
+
+def _plain(shape):
+    """A shape another shape's trace may stand for: one dimension or more, and
+    elements."""
+    return len(shape) > 0 and math.prod(shape) > 0
+
+
+def _second(others, shape):
+    """Another shape of the kind (``others``: none 0-d, none ``shape``) to
+    trace it again at: of another rank where there is one."""
+    return next((m for m in others if len(m.shape) != len(shape)), others[0])
+
+
+_SCALAR_ARGS = (bool, int, float, torch.dtype, torch.device, torch.layout,
+                torch.memory_format, type(None))
+
+
+def _shape_free(graph, shape):
+    """The traced rule names no shape: every tensor in it has the
+    parameter's ``shape`` or none (a scalar), and every argument that is not
+    a tensor is a scalar (no sizes, no dimension lists)."""
+    for node in graph.nodes:
+        for v in pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(v, torch.Tensor) and tuple(v.shape) not in (shape, ()):
+                return False
+        if node.op != "call_function":
+            continue
+        for arg in list(node.args) + list(node.kwargs.values()):
+            if isinstance(arg, (list, tuple)):
+                if not all(isinstance(a, torch.fx.Node) for a in arg):
+                    return False
+            elif not isinstance(arg, (torch.fx.Node,) + _SCALAR_ARGS):
+                return False
+    return True
+
+
+def _same_rule(a, shape_a, b, shape_b):
+    """Graphs ``a`` and ``b``, traced at ``shape_a`` and ``shape_b``, hold the
+    same ops on the same arguments, their tensors of the parameter's shape
+    in the same places."""
+    nodes_a, nodes_b = list(a.nodes), list(b.nodes)
+    if len(nodes_a) != len(nodes_b):
+        return False
+    index_a = {node: k for k, node in enumerate(nodes_a)}
+    index_b = {node: k for k, node in enumerate(nodes_b)}
+
+    def spec(node, index):
+        return pytree.tree_map_only(torch.fx.Node, lambda n: ("node", index[n]),
+                                    (node.args, node.kwargs))
+
+    def kind(v, shape):
+        if not isinstance(v, torch.Tensor):
+            return v
+        return (v.dtype, "param" if tuple(v.shape) == shape else tuple(v.shape))
+
+    for x, y in zip(nodes_a, nodes_b):
+        if (x.op, x.target, x.name) != (y.op, y.target, y.name) or \
+                spec(x, index_a) != spec(y, index_b):
+            return False
+        vx = [kind(v, shape_a) for v in pytree.tree_leaves(x.meta.get("val"))]
+        vy = [kind(v, shape_b) for v in pytree.tree_leaves(y.meta.get("val"))]
+        if vx != vy:
+            return False
+    return True
+
+
+def _cast_scalars_once(gm):
+    """Hyperparameters are float64 scalars, as torch.optim's Python floats
+    are, and their arithmetic stays float64.  An element-wise op of float32
+    tensors casts such a scalar operand to float32 before computing (a 0-dim
+    operand does not take part in type promotion): that cast is made once
+    per scalar here, not inside every parameter's op.  Same values."""
+    graph = gm.graph
+    casts = {}
+    for node in list(graph.nodes):
+        out = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(out, torch.Tensor) \
+                or not isinstance(node.target, torch._ops.OpOverload) \
+                or torch.Tag.pointwise not in node.target.tags \
+                or out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            continue
+
+        def cast(arg, dtype=out.dtype):
+            val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+            if not isinstance(val, torch.Tensor) or val.dim() != 0 or val.dtype != torch.float64:
+                return arg
+            if (arg, dtype) not in casts:
+                with graph.inserting_after(arg):
+                    node_ = graph.call_function(aten._to_copy.default, (arg,), {"dtype": dtype})
+                node_.meta["val"] = torch.empty((), dtype=dtype, device="meta")
+                casts[arg, dtype] = node_
+            return casts[arg, dtype]
+        node.args = tuple(cast(a) for a in node.args)
+    if casts and isinstance(gm, torch.fx.GraphModule):
+        gm.recompile()
+    return gm
