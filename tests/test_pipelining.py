@@ -253,7 +253,7 @@ def test_stage_ids_must_ascend_in_execution_order():
 
 
 def test_pipelined_training_stashes_activations_of_early_stages():
-    from poptorchsim.passes.memory import graph_liveness_profile
+    from poptorchsim.passes.liveness import graph_liveness_profile
     width, micro = 64, 1024
     activation = micro * width * 4          # one layer's output, stored for backward
 

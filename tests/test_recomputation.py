@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import poptorchsim as poptorch
 from conftest import LogRecords
-from poptorchsim.passes.memory import graph_liveness_profile
+from poptorchsim.passes.liveness import graph_liveness_profile
 from poptorchsim.passes.recompute import _decreasing_intervals
 
 NONE, STANDARD, NORM_ONLY, PIPELINE, RECOMPUTE_ALL = range(5)

@@ -20,7 +20,7 @@ from poptorchsim.capture import blocks
 from poptorchsim.capture import trace as capture_trace, update_capture
 from poptorchsim.capture.update_capture import ParamUpdate, _flatten, capture_update
 from poptorchsim.capture.update_rules import UpdatePlan, RULES
-from poptorchsim.passes import memory, recompute
+from poptorchsim.passes import liveness as memory, recompute
 from poptorchsim.passes.lower import _map_only
 from poptorchsim.passes.tile_mapping import TileMapping
 from poptorchsim.runtime import collector
@@ -66,7 +66,7 @@ def test_usage_swept_over_the_ops_equals_the_dense_product(seed):
     for k in range(n_ops):
         assert (live[k] == matrix[k]).all()
     # temporary bytes: whole numbers, or a matmul's fractions; with and without loads
-    temps = memory._Temps(n_ops, tiles, op_phase)
+    temps = memory.Temps(n_ops, tiles, op_phase)
     dense = np.zeros((n_ops, tiles))
     for k in rng.choice(n_ops, size=min(n_ops, 5), replace=False):
         row = rng.integers(0, 900, tiles) / (3.0 if seed % 2 else 1.0)
@@ -95,7 +95,7 @@ def test_loads_added_at_once_equal_loads_added_one_by_one():
     loads = [(rng.integers(0, 2**40, 16), phase) for phase in (None, 1, None, 2, 1)]
     plain, fast = temps.copy(), temps.copy()
     _dense_loaded(plain, loads, op_phase)
-    memory._add_loaded(fast, loads, op_phase)
+    memory.add_loaded(fast, loads, op_phase)
     assert np.array_equal(plain, fast)
 
 
