@@ -28,6 +28,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/tile_scaling.py
 	$(BIN)/python benchmarks/model_zoo.py
 	$(BIN)/python benchmarks/model_hub.py --markdown benchmarks/out/model_hub.md
+	$(BIN)/python benchmarks/compile_passes.py
+	$(BIN)/python benchmarks/host_speed.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
