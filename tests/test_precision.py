@@ -218,3 +218,66 @@ def test_running_statistics_always_float():
     err_h = (half_bn.running_mean.float() - ref.running_mean).abs().max()
     assert err_f < err_h
     assert int(float_bn.num_batches_tracked) == 5
+
+
+class _ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.fc = torch.nn.Linear(8 * 6 * 6, 4)
+
+    def forward(self, x, y):
+        out = self.fc(torch.tanh(self.conv(x)).flatten(1))
+        return out, torch.nn.functional.cross_entropy(out.float(), y)
+
+
+def _conv_training(ga=1):
+    torch.manual_seed(0)
+    net = _ConvNet().half()
+    opts = poptorch.Options().showCompilationProgressBar(False)
+    opts.Training.gradientAccumulation(ga)
+    tm = poptorch.trainingModel(net, opts, poptorch.optim.SGD(net.parameters(), lr=0.1,
+                                                                loss_scaling=64.0))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 3, 8, 8, generator=g).half().repeat(ga, 1, 1, 1)
+    y = torch.randint(0, 4, (4,), generator=g).repeat(ga)
+    return tm, net, x, y
+
+
+def test_fp16_backward_convolution_is_fp32_rounded_once():
+    """The backward pass's fp16 convolution runs as its fp32 kernel rounded
+    to fp16 (PyTorch's CPU fp16 kernel is 96x slower): the weight gradient
+    is that rounding of the fp32 one."""
+    tm, _, x, y = _conv_training()
+    tm.compile(x, y)
+    step = tm.getIR().graphs["training_step"]
+    op = next(o for o in step.ops if "convolution_backward" in str(o.target))
+    assert op.watched
+    aten = torch.ops.aten
+    torch.manual_seed(0)
+    a = torch.randn(4, 8, 6, 6).half()
+    b = torch.randn(4, 3, 8, 8).half()
+    w = torch.randn(8, 3, 3, 3).half()
+    from poptorchsim.machine.precision import host_kernel
+    seen = []
+
+    def spy(*args):
+        seen.extend(t.dtype for t in args if isinstance(t, torch.Tensor))
+        return aten.convolution_backward.default(*args)
+    call = (a, b, w, [8], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [False, True, True])
+    result = host_kernel(op, spy)(*call)
+    assert seen == [torch.float32] * 3                       # the fp32 kernel ran
+    wide = aten.convolution_backward.default(*[t.float() if isinstance(t, torch.Tensor)
+                                               else t for t in call])
+    assert result[1].dtype == torch.float16 and torch.equal(result[1], wide[1].half())
+
+
+def test_gradient_watch_counts_the_first_micro_batch_of_a_call():
+    """Every micro-batch of a call computes the same way; the watch counts
+    the first: the same micro-batch repeated four times counts as once."""
+    counts = []
+    for ga in (1, 4):
+        tm, _, x, y = _conv_training(ga)
+        tm(x, y)
+        counts.append(tm.precisionReport()["gradients"]["values"])
+    assert counts[0] == counts[1] > 0
