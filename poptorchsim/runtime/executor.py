@@ -501,7 +501,7 @@ class PoplarExecutor:
         self._require_compiled()
         if not self._training:
             return {"loss_scale": 1.0, "automatic_loss_scaling": None, "gradients": None}
-        return GradientMonitor.report(self._compiled, self._state)
+        return self._gradients.report(self._compiled, self._state)
 
     def estimateSensitivity(self, top=None):
         """How far to trust the throughput estimate: per cost-model constant
@@ -605,7 +605,7 @@ class PoplarExecutor:
         before = self._state.snapshot() if self._fp_checks else None
         try:
             if self._training:
-                self._gradients.start(self._compiled, self._state)
+                self._gradients.start(self._compiled, self._state, di * ga * rf)
             result = self._engine.run(self._compiled.program, self._state, inputs, collector)
         except FloatingPointException:
             if before is not None:

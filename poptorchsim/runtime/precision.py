@@ -119,20 +119,42 @@ _OVER = ("fp16 gradients of the last call overflowed to infinity: {n:,} of the {
 
 
 class GradientMonitor:
-    """What the fp16 gradients of a training program did in its last call
-    (``precisionReport()``): values lost to underflow and overflow, and the
-    loss scale automatic loss scaling chose; warns once per executor when
-    an op lost more than ``WARN_FRACTION`` of its result's (fp32) magnitude
-    to underflow, or any value overflowed."""
+    """What the fp16 gradients of a training program did (``precisionReport()``):
+    values lost to underflow and overflow, and the loss scale automatic
+    loss scaling chose; warns once per executor when an op lost more than
+    ``WARN_FRACTION`` of its result's (fp32) magnitude to underflow, or any
+    value overflowed.
+
+    The gradient watch counts the first micro-batch of a call in the first
+    call, in a call whose loss scale differs from the last counted one's,
+    and in a call at least ``EVERY`` micro-batches after the last counted
+    one: every micro-batch computes the same way, and counting one in about
+    ``EVERY`` keeps its cost (about one fp32 micro-batch) a small fraction
+    of the host time.  The report says which call it counted."""
     WARN_FRACTION = 0.01
+    EVERY = 8
 
     def __init__(self):
         self.warned = set()
+        self.calls = 0
+        self.counted_call = None        # the call whose first micro-batch was counted
+        self._since = 0                 # micro-batches run since that one
+        self._scale = None
+        self._watch = None              # the GradientWatch counted last
 
-    def start(self, compiled, state):
+    def start(self, compiled, state, micro_batches=1):
+        """A training call of ``micro_batches`` (over replicas) starts."""
+        self.calls += 1
         watch = compiled.watch
         if watch is not None:
-            watch.reset()
+            scale = _loss_scale(state)
+            if watch is not self._watch or self._since >= self.EVERY or scale != self._scale:
+                watch.reset()       # a new program counts its first call
+                self._watch, self.counted_call = watch, self.calls
+                self._since, self._scale = 0, scale
+            else:
+                watch.skip()
+            self._since += micro_batches
         if getattr(state, "loss_scale", None) is not None:
             state.loss_scale.history = []
 
@@ -151,12 +173,11 @@ class GradientMonitor:
             self.warned.add("over")
             logger.warning(_OVER.format(n=watch.overflowed, total=watch.nonzero))
 
-    @staticmethod
-    def report(compiled, state):
-        """A JSON-ready dict: the loss scale and the fp16 gradients' fate."""
+    def report(self, compiled, state):
+        """A JSON-ready dict: the loss scale and the fp16 gradients' fate
+        (``counted_call``: which call, of ``calls``, the counts come from)."""
         scale = getattr(state, "loss_scale", None)
-        extra = getattr(state, "step_extra", None)
-        out = {"loss_scale": float(extra[0]) if extra else 1.0,
+        out = {"loss_scale": _loss_scale(state),
                "automatic_loss_scaling": None, "gradients": None}
         if scale is not None:
             als = compiled.auto_loss_scaling
@@ -168,8 +189,14 @@ class GradientMonitor:
                 "update_period": als.update_period}
         watch = compiled.watch
         if watch is not None:
-            out["gradients"] = watch.summary()
+            out["gradients"] = {**watch.summary(), "counted_call": self.counted_call,
+                                "calls": self.calls}
         return out
+
+
+def _loss_scale(state):
+    extra = getattr(state, "step_extra", None)
+    return float(extra[0]) if extra else 1.0
 
 
 def watch_gradients(program, model, als):
