@@ -319,7 +319,7 @@ class GradientWatch:
     non-zeros for most results).  They are counted over the first
     micro-batch (of its first replica) of a call that ``reset`` starts;
     ``skip`` leaves a call uncounted (the runtime counts about one
-    micro-batch in eight: the counting costs about one fp32 step).  An op
+    micro-batch in 16: the counting costs about one fp32 step).  An op
     with half partials runs its own kernel and is compared with the fp32
     one, value by value."""
 
@@ -366,6 +366,7 @@ class GradientWatch:
             return out
 
         single = len(dtypes) == 1
+        to_half = single and dtypes[0] == HALF and not stochastic
         # between counted micro-batches, a kernel giving the same values
         # as the rounded fp32 one runs as is (natively, or already in fp32)
         same = not stochastic and not exact and (
@@ -374,9 +375,13 @@ class GradientWatch:
         def run(*args, **kwargs):
             if same and not self.counting:
                 return kernel(*args, **kwargs)
-            wide = reference(*_widen_all(args), **{k: _widen_all(v) for k, v in kwargs.items()})
+            wide = reference(*[a.float() if isinstance(a, torch.Tensor) and a.dtype == HALF
+                               else _widen_all(a) for a in args],
+                             **({k: _widen_all(v) for k, v in kwargs.items()} if kwargs else {}))
             if exact:
                 out = kernel(*args, **kwargs)
+            elif to_half and isinstance(wide, torch.Tensor):
+                out = wide.to(HALF)
             elif single and isinstance(wide, torch.Tensor):
                 out = narrow(wide, dtypes[0])
             else:

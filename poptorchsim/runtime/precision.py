@@ -132,7 +132,7 @@ class GradientMonitor:
     ``EVERY`` keeps its cost (about one fp32 micro-batch) a small fraction
     of the host time.  The report says which call it counted."""
     WARN_FRACTION = 0.01
-    EVERY = 8
+    EVERY = 16
 
     def __init__(self):
         self.warned = set()
