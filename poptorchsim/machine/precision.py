@@ -34,20 +34,51 @@ _MIN_EXP = -14          # smallest normal fp16 exponent; below it the spacing is
 _MANTISSA = 10
 
 
+_DROPPED = 1 << 13      # fp32 carries 13 mantissa bits below fp16's (normal values)
+_SMALLEST_NORMAL = 2.0 ** _MIN_EXP
+_SPARSE_FROM = 1 << 16  # a larger tensor mostly of zeros rounds its non-zeros only
+
+
 def stochastic_round(x, generator=None):
     """``x`` (fp32) rounded stochastically to fp16: to ``lo`` or ``hi`` (the
     fp16 neighbours of x) with P(hi) = (x - lo) / (hi - lo).  Exact fp16
     values, infinities and NaNs are kept; values past fp16's largest finite
-    (65504) may round to infinity, as a cast does."""
-    x = x.float()
-    _, e = torch.frexp(x)                       # |x| = m * 2**e, m in [0.5, 1)
-    ulp = torch.ldexp(torch.ones_like(x), (e - 1).clamp(min=_MIN_EXP) - _MANTISSA)
-    lo = torch.floor(x / ulp) * ulp             # exact: ulp is a power of two
-    u = torch.rand(x.shape, generator=generator, dtype=torch.float32)
-    up = u < (x - lo) / ulp
-    out = torch.where(up, lo + ulp, lo)
-    out = torch.where(torch.isfinite(x), out, x)
+    (65504) may round to infinity, as a cast does.
+
+    One random integer r in [0, 2**13) per value, added to the bits of |x|
+    (an fp32 carries 13 mantissa bits below an fp16's), then those 13 bits
+    cleared: |x| rounds up with probability equal to the dropped fraction,
+    which gives the same P(hi) for either sign.  fp16's subnormals (|x| <
+    2**-14, spaced 2**-24 apart) are first moved into [2**-14, 2**-13),
+    whose fp16 spacing is the same 2**-24, by adding 2**-14, and moved back
+    after.  Probabilities are resolved to 2**-13 (exactly for fp16's normal
+    range)."""
+    x = x.float().contiguous()
+    if x.numel() >= _SPARSE_FROM:
+        nonzero = int(torch.count_nonzero(x))
+        if nonzero <= x.numel() // 4:   # an embedding's gradient: zeros stay zeros
+            flat = x.view(-1)
+            where = flat.nonzero().squeeze(1)
+            out = flat.to(HALF)             # zeros (of either sign) exact
+            out[where] = stochastic_round(flat[where], generator)
+            return out.view(x.shape)
+    r = _random_bits(x.shape, generator)
+    a = x.abs()
+    small = a < _SMALLEST_NORMAL
+    a = torch.where(small, a + _SMALLEST_NORMAL, a)
+    a = ((a.view(torch.int32) + r) & -_DROPPED).view(torch.float32)
+    out = torch.copysign(torch.where(small, a - _SMALLEST_NORMAL, a), x)
+    if x.numel() and torch.isnan(x.max()):      # a NaN's payload may carry into its sign
+        out = torch.where(torch.isnan(x), x, out)
     return out.to(HALF)
+
+
+def _random_bits(shape, generator):
+    """Uniform integers in [0, 2**13) (int32), drawn four to a 64-bit word:
+    the CPU generator's cost is per draw."""
+    n = math.prod(shape)
+    words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(generator=generator)
+    return (words.view(torch.int16)[:n] & (_DROPPED - 1)).to(torch.int32).view(shape)
 
 
 class Rounding:
@@ -71,15 +102,6 @@ class Rounding:
         return stochastic_round(x, self.generator)
 
 
-def _widen(x):
-    """fp16 tensors and dtype arguments widened to fp32."""
-    if isinstance(x, torch.Tensor) and x.dtype == HALF:
-        return x.float()
-    if x is HALF:
-        return torch.float32
-    return x
-
-
 def _widen_all(x):
     """``_widen`` over the arguments of an op (tensors, dtypes, lists and
     tuples of them, scalars), without pytree's generality."""
@@ -90,9 +112,25 @@ def _widen_all(x):
     return torch.float32 if x is HALF else x
 
 
+def _dtypes_of(x, out):
+    """Appends to ``out`` the dtypes of the tensors in ``x`` and the dtype
+    arguments (lists, tuples and dicts of them searched), without pytree's
+    generality."""
+    if isinstance(x, torch.Tensor):
+        out.append(x.dtype)
+    elif isinstance(x, torch.dtype):
+        out.append(x)
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            _dtypes_of(y, out)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _dtypes_of(y, out)
+    return out
+
+
 def _has_half(tree):
-    return any((isinstance(x, torch.Tensor) and x.dtype == HALF) or x is HALF
-               for x in pytree.tree_leaves(tree))
+    return HALF in _dtypes_of(tree, [])
 
 
 def _meta(x):
@@ -110,10 +148,7 @@ def with_stochastic_rounding(kernel, out_dtypes, rounding, into=False):
     result is written into its first operand (the engine's in-place plan)."""
     seen = {}
 
-    def dtypes(args, kwargs):
-        key = tuple(x.dtype if isinstance(x, torch.Tensor) else x
-                    for x in pytree.tree_leaves((args, kwargs))
-                    if isinstance(x, (torch.Tensor, torch.dtype)))
+    def dtypes(key, args, kwargs):
         if key not in seen:
             try:
                 out = kernel(*pytree.tree_map(_meta, args), **pytree.tree_map(_meta, kwargs))
@@ -128,12 +163,13 @@ def with_stochastic_rounding(kernel, out_dtypes, rounding, into=False):
         return args[0].copy_(result) if into else result
 
     def run(*args, **kwargs):
-        if not _has_half((args, kwargs)) and HALF not in out_dtypes:
+        key = tuple(_dtypes_of(kwargs, _dtypes_of(args, [])))
+        if HALF not in key and HALF not in out_dtypes:
             return exact(args, kwargs)
-        want = dtypes(args, kwargs)
+        want = dtypes(key, args, kwargs)
         if HALF not in want:
             return exact(args, kwargs)
-        wide = kernel(*pytree.tree_map(_widen, args), **pytree.tree_map(_widen, kwargs))
+        wide = kernel(*_widen_all(args), **{k: _widen_all(v) for k, v in kwargs.items()})
         if isinstance(wide, torch.Tensor):
             result = rounding.round(wide) if want[0] == HALF else wide.to(want[0])
             return args[0].copy_(result) if into else result
@@ -146,10 +182,11 @@ def with_stochastic_rounding(kernel, out_dtypes, rounding, into=False):
 
 def _accumulate_half(pieces):
     """Sum of fp32 ``pieces`` (an iterator of chunk sums) with the running
-    partial sum rounded to fp16 after each chunk."""
+    partial sum rounded to fp16 after each chunk (the fp16 sum and the fp32
+    chunk added in fp32: type promotion widens the fp16 one exactly)."""
     acc = None
     for p in pieces:
-        acc = p.to(HALF) if acc is None else (acc.float() + p).to(HALF)
+        acc = p.to(HALF) if acc is None else torch.add(acc, p).to(HALF)
     return acc
 
 
@@ -157,11 +194,40 @@ def _chunks(k):
     return [slice(i, min(i + PARTIALS_CHUNK, k)) for i in range(0, k, PARTIALS_CHUNK)]
 
 
+_PRODUCTS_LIMIT = 1 << 24       # fp32 chunk products computed by one matmul call, at most
+_FEW_CHUNKS = 4
+
+
+def _chunk_products(a32, b32):
+    """The products of ``a32 @ b32`` chunk by chunk of the reduction, in
+    order: one batched matmul computes many chunks at once (beyond
+    ``_FEW_CHUNKS``; the reduction
+    cut into [..., chunks, M, 16] @ [..., chunks, 16, N]; a last short
+    chunk padded with zeros, which add nothing), as many as keep its result
+    under ``_PRODUCTS_LIMIT`` values."""
+    k = a32.shape[-1]
+    n = -(-k // PARTIALS_CHUNK)
+    if n <= _FEW_CHUNKS:            # one call per chunk costs less than the reshaping
+        for s in _chunks(k):
+            yield torch.matmul(a32[..., s], b32[..., s, :])
+        return
+    pad = n * PARTIALS_CHUNK - k
+    if pad:
+        a32 = torch.nn.functional.pad(a32, (0, pad))
+        b32 = torch.nn.functional.pad(b32, (0, 0, 0, pad))
+    m, cols = a32.shape[-2], b32.shape[-1]
+    lead = torch.broadcast_shapes(a32.shape[:-2], b32.shape[:-2])
+    per = max(1, _PRODUCTS_LIMIT // max(1, m * cols * math.prod(lead)))
+    a4 = a32.unflatten(-1, (n, PARTIALS_CHUNK)).movedim(-2, -3)       # [..., n, M, 16]
+    b4 = b32.unflatten(-2, (n, PARTIALS_CHUNK))                        # [..., n, 16, N]
+    for start in range(0, n, per):
+        block = torch.matmul(a4[..., start:start + per, :, :], b4[..., start:start + per, :, :])
+        yield from block.unbind(-3)
+
+
 def half_partials_mm(a, b):
     """``a @ b`` (fp16, 2-D or batched) with fp16 partial sums."""
-    a32, b32 = a.float(), b.float()
-    return _accumulate_half(torch.matmul(a32[..., s], b32[..., s, :])
-                            for s in _chunks(a.shape[-1]))
+    return _accumulate_half(_chunk_products(a.float(), b.float()))
 
 
 def _mm(a, b):
@@ -280,12 +346,40 @@ def host_kernel(op, kernel, rounding=None, into=False):
     return kernel
 
 
+# ops whose result holds only values of their operands (or zeros and ones):
+# with fp16 operands every value is already an fp16 one, which rounding,
+# stochastic or not, keeps
+_EXACT_IN_HALF = {
+    "clone", "copy", "_to_copy", "cat", "stack", "contiguous", "repeat", "flip", "roll",
+    "constant_pad_nd", "slice_scatter", "select_scatter", "slice_backward",
+    "select_backward", "tril", "triu", "zeros", "ones", "empty", "zeros_like", "ones_like",
+    "empty_like", "new_zeros", "new_ones", "new_empty", "embedding", "index_select",
+    "gather", "index", "relu", "threshold_backward", "neg", "abs", "bernoulli", "maximum",
+    "minimum", "amax", "amin"}
+_EXACT_OVERLOADS = {"aten::where.self", "aten::max.dim", "aten::min.dim"}
+
+
+def exact_in_half(op):
+    """Does ``op`` give values of its fp16 operands only (every floating-point
+    operand fp16), so that rounding its fp16 result changes nothing?"""
+    schema = getattr(op.target, "_schema", None)
+    packet = getattr(op.target, "overloadpacket", None)
+    if schema is None or packet is None:
+        return False
+    name = f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
+    if packet.__name__ not in _EXACT_IN_HALF and name not in _EXACT_OVERLOADS:
+        return False
+    return all(t.dtype == HALF for t in op.input_tensors() if t.dtype.is_floating_point)
+
+
 def rounds_stochastically(op):
     """May the engine round ``op``'s results stochastically (when on)?  Ops
-    computing a floating-point result; views and ops writing an operand in
-    place (copies into buffers) are left alone."""
+    computing a floating-point result; views, ops writing an operand in
+    place (copies into buffers) and ops that only move fp16 values
+    (``exact_in_half``) are left alone."""
     return (op.cost_class not in ("view", "host") and not op.inplace and not op.subgraphs
-            and any(t is not None and t.dtype.is_floating_point for t in op.outputs))
+            and any(t is not None and t.dtype.is_floating_point for t in op.outputs)
+            and not exact_in_half(op))
 
 
 # -- fp16 gradients: what underflowed and overflowed ----------------------------------
