@@ -1,7 +1,9 @@
 """One process of ``python -m poptorchsim.run``: maps torch.distributed's
 RANK and WORLD_SIZE onto the variables PopTorch programs read (Open MPI's,
 which ``Options.Distributed`` reads, and poprun's POPDIST_*), then runs the
-user's script as ``__main__``.
+user's script as ``__main__``, with ``import poptorch``, ``import popdist``
+(and ``import popart``, where poptorchsim has it) answered by poptorchsim
+unless a real package of that name is installed (``aliases.py``).
 
 An exception is recorded for the launcher (torch's ``record``), which prints
 its first line in the run's summary.  When another process fails the
@@ -16,6 +18,8 @@ import signal
 import sys
 import threading
 import time
+
+from . import aliases
 
 GRACE_S = 3.0
 STOPPED = 128 + signal.SIGTERM     # the exit code after the grace period
@@ -53,6 +57,10 @@ def main(argv=None):
     set_environment()
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    installed = aliases.install()       # import poptorch, popdist -> poptorchsim
+    if os.environ["RANK"] == "0":
+        for note in installed.notes():
+            print(note, file=sys.stderr)
     record(runpy.run_path)(script, run_name="__main__")
 
 
