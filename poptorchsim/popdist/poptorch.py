@@ -85,6 +85,7 @@ def initialize_poptorch_options(options, ipus_per_replica=None):
                     "on its own IPU: the number of stages).")
     if not _popdist.checkNumIpusPerReplica(ipus_per_replica):
         raise Error(_popdist._ipus_disagree(ipus_per_replica))
+    _popdist.getNumTotalReplicas()      # the launcher's numbers agree
     _Options.replicationFactor(options, _popdist.getNumLocalReplicas())
     index, n = _popdist.getInstanceIndex(), _popdist.getNumInstances()
     _DistributedOptions.configureProcessId(options.Distributed, index, n)
