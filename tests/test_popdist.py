@@ -335,3 +335,13 @@ def test_the_launcher_passes_ipus_per_replica():
     assert parse([str(TRAIN)]).ipus_per_replica is None
     with pytest.raises(SystemExit):
         parse(["--ipus-per-replica", "0", str(TRAIN)])
+
+
+def test_the_dataloader_splits_the_dataset_by_instance(launched):
+    """popdist.poptorch.Options() gives poptorch.DataLoader this instance's
+    part of the dataset: instance 2 of 4, 3 replicas, 2 device iterations."""
+    opts = popdist_poptorch.Options().deviceIterations(2)
+    data = torch.utils.data.TensorDataset(torch.arange(96))
+    loader = poptorchsim.DataLoader(opts, data, batch_size=2)
+    assert loader.combinedBatchSize == 12
+    assert [int(i) for (b,) in loader for i in b] == list(range(48, 72))
