@@ -260,7 +260,7 @@ def test_init_outside_the_launcher_names_the_command(launched):
 
 @pytest.mark.parametrize("instances, fn, expect", [
     ({4}, print, "4 is not an instance: this run has 4 instances, indices 0 to 3"),
-    ({-1, 7}, print, "-1, 7 are not an instance"),
+    ({-1, 7}, print, "-1, 7 are not instances"),
     ({"0"}, print, "'0' is not an instance"),
     (0, print, "0 is not a set of indices"),
     ({0}, "save", "fn must be callable, not str"),
@@ -315,6 +315,7 @@ def test_popart_is_aliased_only_where_poptorchsim_has_it(alias):
 def test_real_packages_are_never_shadowed(alias, tmp_path, monkeypatch):
     (tmp_path / "popdist").mkdir()
     (tmp_path / "popdist" / "__init__.py").write_text("REAL = True\n")
+    (tmp_path / "poptorch").mkdir()     # a bare folder (namespace package) is no package
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(sys.modules, "popart", type(sys)("popart"))    # already imported
     installed = alias()

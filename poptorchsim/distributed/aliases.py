@@ -9,7 +9,9 @@ the names Graphcore's programs import, answered by poptorchsim.
 name is the very module object of its target (``poptorch is poptorchsim``),
 so state, classes and ``isinstance`` are shared.  A name that a real,
 installed package answers is left alone: poptorchsim never shadows the real
-PopTorch, PopDist or PopART (``install`` says which it left, and where).
+PopTorch, PopDist or PopART (``install`` says which it left, and where);
+a bare directory of that name (a namespace package, such as a checkout's
+``popart/`` folder) is not a package and does not count.
 The launcher's worker calls it before running the script; a test or a
 notebook may call it too (``uninstall()`` undoes it).
 
@@ -118,9 +120,8 @@ def _why_not(alias, target):
         real = importlib.util.find_spec(alias)
     except (ImportError, ValueError):
         real = None
-    if real is not None:
-        where = real.origin or ", ".join(real.submodule_search_locations or []) or "?"
-        return (f"a real {alias!r} is installed ({where}); 'import {alias}' uses it, "
+    if real is not None and real.origin is not None:    # not a bare directory
+        return (f"a real {alias!r} is installed ({real.origin}); 'import {alias}' uses it, "
                 f"not {target!r}")
     try:
         found = importlib.util.find_spec(target)

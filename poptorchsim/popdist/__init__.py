@@ -198,7 +198,8 @@ def execute_on_instances(instances, fn, *args, **kwargs):
          or not 0 <= i < n), key=repr)
     if chosen is None or bad:
         what = f"{instances!r} is not a set of indices" if chosen is None else \
-            f"{', '.join(map(repr, bad))} {'is' if len(bad) == 1 else 'are'} not an instance"
+            f"{', '.join(map(repr, bad))} " + \
+            ("is not an instance" if len(bad) == 1 else "are not instances")
         raise Error(f"popdist.execute_on_instances: {what}: this run has {n} "
                     f"instance{'s' if n > 1 else ''}, indices 0 to {n - 1}. Pass a set such "
                     "as {0}.")
