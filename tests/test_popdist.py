@@ -113,6 +113,7 @@ def test_imports_resolve_to_poptorchsim_under_the_launcher(tmp_path):
     assert found["popdist.poptorch"] == "poptorchsim.popdist.poptorch"
     assert found["popdist_env"] is True and found["instances"] == 1
     assert found["ipus_per_replica"] == 2
+    assert found["async_sum"] == 28.0       # the DataLoader's worker imported poptorch too
     assert "poptorchsim: a real" not in result.stderr
 
 
@@ -324,10 +325,12 @@ def test_real_packages_are_never_shadowed(alias, tmp_path, monkeypatch):
         f"a real 'popdist' is installed ({tmp_path / 'popdist' / '__init__.py'})")
     assert installed.left["popart"].startswith("a real 'popart' is already imported")
     assert len(installed.notes()) == 2
-    monkeypatch.delitem(sys.modules, "popdist", raising=False)
-    import popdist as real
-    assert real.REAL and real is not popdist
-    monkeypatch.delitem(sys.modules, "popdist")
+    assert "popdist" not in sys.modules
+    try:
+        import popdist as real
+        assert real.REAL and real is not popdist
+    finally:
+        sys.modules.pop("popdist", None)
 
 
 def test_the_launcher_passes_ipus_per_replica():
@@ -346,3 +349,33 @@ def test_the_dataloader_splits_the_dataset_by_instance(launched):
     loader = poptorchsim.DataLoader(opts, data, batch_size=2)
     assert loader.combinedBatchSize == 12
     assert [int(i) for (b,) in loader for i in b] == list(range(48, 72))
+
+
+def test_exported_aliases_reach_new_interpreters_and_are_not_real(alias, tmp_path,
+                                                                  monkeypatch):
+    """``export`` writes poptorch.py into a directory on PYTHONPATH: a fresh
+    interpreter started from here imports poptorchsim; a later ``install``
+    does not take that module for a real poptorch."""
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", str(ROOT)))
+    installed = alias()
+    installed.export(str(tmp_path / "shims"))
+    assert (tmp_path / "shims" / "poptorch.py").exists(), installed.left
+    assert os.environ[aliases.ENV] == "poptorch=poptorchsim,popdist=poptorchsim.popdist", \
+        installed.left
+    child = subprocess.run(
+        [sys.executable, "-c", "import poptorch, poptorch.optim, popdist.poptorch, poptorchsim;"
+         "print(poptorch is poptorchsim, poptorch.optim.__name__, popdist.poptorch.__name__)"],
+        env={**os.environ, "PYTHONPATH": os.environ["PYTHONPATH"] + os.pathsep + str(ROOT)},
+        capture_output=True, text=True, timeout=60)
+    assert child.stdout.split() == ["True", "poptorchsim.optim", "poptorchsim.popdist.poptorch"], \
+        child.stderr[-2000:]
+    again = alias()                         # the directory is still on sys.path
+    assert "poptorch" in again.aliased
+    monkeypatch.syspath_prepend(str(tmp_path / "shims"))
+    aliases.uninstall()
+    assert aliases.ENV not in os.environ and str(tmp_path / "shims") not in \
+        os.environ["PYTHONPATH"].split(os.pathsep)
+    monkeypatch.delenv(aliases.ENV, raising=False)
+    with pytest.raises(ImportError, match="only in a program run by python -m "
+                                          "poptorchsim.run"):
+        aliases._become("poptorch")

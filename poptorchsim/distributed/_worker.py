@@ -12,10 +12,13 @@ launcher stops this one with SIGTERM; this process takes up to
 moment (typically "Replica process N of P stopped responding ...") is
 recorded rather than cut off.
 """
+import atexit
 import os
 import runpy
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -23,6 +26,7 @@ from . import aliases
 
 GRACE_S = 3.0
 STOPPED = 128 + signal.SIGTERM     # the exit code after the grace period
+ALIAS_DIR = "POPTORCHSIM_ALIAS_DIR"  # set by launch.py
 
 
 def set_environment(env=os.environ):
@@ -49,6 +53,18 @@ def _exit_late_on_sigterm(grace_s=GRACE_S):
     threading.Thread(target=wait, name="poptorchsim-sigterm", daemon=True).start()
 
 
+def _alias_directory():
+    """Where this process writes the modules that alias poptorch in the
+    processes it starts: under the launcher's directory (it removes it),
+    or a temporary one removed at exit."""
+    base = os.environ.get(ALIAS_DIR)
+    if base:
+        return os.path.join(base, f"process{os.environ['RANK']}")
+    directory = tempfile.mkdtemp(prefix="poptorchsim-aliases-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
+
+
 def main(argv=None):
     script, *args = sys.argv[1:] if argv is None else argv
     _exit_late_on_sigterm()
@@ -58,6 +74,7 @@ def main(argv=None):
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     installed = aliases.install()       # import poptorch, popdist -> poptorchsim
+    installed.export(_alias_directory())    # ... and in processes the script starts
     if os.environ["RANK"] == "0":
         for note in installed.notes():
             print(note, file=sys.stderr)

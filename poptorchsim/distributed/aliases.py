@@ -15,6 +15,11 @@ a bare directory of that name (a namespace package, such as a checkout's
 The launcher's worker calls it before running the script; a test or a
 notebook may call it too (``uninstall()`` undoes it).
 
+Processes the program starts with a fresh interpreter (multiprocessing's
+``spawn`` and ``forkserver``: an asynchronous DataLoader's worker) import
+the program again; ``export`` writes a small module per alias into a
+directory put first on PYTHONPATH, which installs the same aliases there.
+
 The module names its targets as strings and imports them only when the
 program imports an alias, so it sits below the face with the launcher.
 """
@@ -22,6 +27,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 
 ALIASES = {"poptorch": "poptorchsim", "popdist": "poptorchsim.popdist",
@@ -77,11 +83,59 @@ class Installed:
 
     def __init__(self, finder, aliased, left):
         self.finder, self.aliased, self.left = finder, aliased, left
+        self.exported = None        # the directory ``export`` wrote
 
     def notes(self):
         """One line per real package left alone, for the program's output."""
         return [f"poptorchsim: {why}" for alias, why in self.left.items()
                 if why.startswith("a real")]
+
+    def export(self, directory):
+        """Give processes started from here the same aliases: a module per
+        alias in ``directory`` (``poptorch.py``: it installs the aliases and
+        becomes its target), ``directory`` on PYTHONPATH and last on
+        ``sys.path`` (multiprocessing hands its children this process's
+        ``sys.path``; here the finder answers first), and the aliases in
+        POPTORCHSIM_ALIASES."""
+        os.makedirs(directory, exist_ok=True)
+        open(os.path.join(directory, MARKER), "w").close()
+        for alias, target in self.aliased.items():
+            with open(os.path.join(directory, alias + ".py"), "w") as f:
+                f.write(_SHIM.format(alias=alias, target=target))
+        os.environ[ENV] = ",".join(f"{a}={t}" for a, t in self.aliased.items())
+        path = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(([path] if path else []) + [directory])
+        if directory not in sys.path:
+            sys.path.append(directory)
+        self.exported = directory
+
+
+ENV = "POPTORCHSIM_ALIASES"
+MARKER = ".poptorchsim-aliases"     # in a directory that ``export`` wrote
+_SHIM = '''"""Written by poptorchsim.distributed.aliases for a process that a program
+run by python -m poptorchsim.run starts: ``import {alias}`` imports
+{target!r} here too."""
+from poptorchsim.distributed.aliases import _become
+
+_become(__name__)
+'''
+
+
+def _become(alias):
+    """In a process started by an aliased program: install the aliases of
+    POPTORCHSIM_ALIASES (its parent checked them) and make ``alias`` its
+    target in ``sys.modules``, so that the import under way returns it."""
+    global _INSTALLED
+    mapping = dict(item.split("=", 1) for item in os.environ.get(ENV, "").split(",")
+                   if "=" in item)
+    if alias not in mapping:
+        raise ImportError(f"{alias!r} is answered by poptorchsim only in a program run by "
+                          f"python -m poptorchsim.run ({ENV} does not name it)", name=alias)
+    if _INSTALLED is None or _INSTALLED.finder.target_of(alias) is None:
+        finder = AliasFinder(mapping)
+        sys.meta_path.insert(0, finder)
+        _INSTALLED = Installed(finder, mapping, {})
+    sys.modules[alias] = importlib.import_module(mapping[alias])
 
 
 _INSTALLED = None
@@ -120,7 +174,8 @@ def _why_not(alias, target):
         real = importlib.util.find_spec(alias)
     except (ImportError, ValueError):
         real = None
-    if real is not None and real.origin is not None:    # not a bare directory
+    if real is not None and real.origin is not None and not os.path.exists(
+            os.path.join(os.path.dirname(real.origin), MARKER)):    # a package, not ours
         return (f"a real {alias!r} is installed ({real.origin}); 'import {alias}' uses it, "
                 f"not {target!r}")
     try:
@@ -137,14 +192,22 @@ def _where(module):
 
 
 def uninstall():
-    """Undo ``install``: remove its finder and forget the aliased modules
-    (their targets stay imported)."""
+    """Undo ``install`` (and ``export``): remove its finder, its directory
+    from the paths, and forget the aliased modules (their targets stay
+    imported)."""
     global _INSTALLED
     if _INSTALLED is None:
         return
-    finder, _INSTALLED = _INSTALLED.finder, None
+    finder, exported, _INSTALLED = _INSTALLED.finder, _INSTALLED.exported, None
     if finder in sys.meta_path:
         sys.meta_path.remove(finder)
+    if exported:
+        while exported in sys.path:
+            sys.path.remove(exported)
+        path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                if p and p != exported]
+        os.environ["PYTHONPATH"] = os.pathsep.join(path)
+        os.environ.pop(ENV, None)
     for name in list(sys.modules):
         if finder.target_of(name) is not None and \
                 sys.modules[name] is sys.modules.get(finder.target_of(name)):

@@ -11,9 +11,11 @@ per failed process, the cause first.
 """
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import uuid
 
 from . import PEER_LOST
@@ -47,6 +49,8 @@ def launch(script, args, num_instances, num_replicas, master_port=None, out=sys.
                           rdzv_endpoint=f"127.0.0.1:{port}",
                           rdzv_configs={"rank": 0, "timeout": 60}, max_restarts=0,
                           monitor_interval=0.1)
+    from ._worker import ALIAS_DIR
+    os.environ[ALIAS_DIR] = tempfile.mkdtemp(prefix="poptorchsim-aliases-")
     try:
         elastic_launch(config, sys.executable)(
             "-u", "-m", "poptorchsim.distributed._worker", script, *args)
@@ -54,6 +58,8 @@ def launch(script, args, num_instances, num_replicas, master_port=None, out=sys.
         for line in summarize(e.failures, num_instances):
             print(line, file=out)
         return 1
+    finally:
+        shutil.rmtree(os.environ.pop(ALIAS_DIR), ignore_errors=True)
     return 0
 
 

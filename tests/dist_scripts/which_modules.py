@@ -1,12 +1,15 @@
 """Prints, as JSON, which modules a PopTorch program's imports give it:
 run by tests/test_popdist.py under ``python -m poptorchsim.run`` to check
 that ``import poptorch`` and ``import popdist`` (and their submodules)
-resolve to poptorchsim, and that a real installed package is left alone.
+resolve to poptorchsim, also in a DataLoader's worker process, and that a
+real installed package is left alone.
 
     python which_modules.py OUT
 """
 import json
 import sys
+
+import torch
 
 import popdist
 import popdist.poptorch
@@ -14,6 +17,23 @@ import poptorch
 import poptorch.optim
 from poptorch import DataLoader
 from poptorch.enums import DataLoaderMode
+
+
+class Numbers(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)])
+
+
+def async_sum():
+    """The sum of an asynchronous DataLoader's batches: its worker process
+    (multiprocessing's forkserver) imports this script, ``import poptorch``
+    included."""
+    loader = DataLoader(poptorch.Options(), Numbers(), batch_size=2, num_workers=1,
+                        mode=DataLoaderMode.Async)
+    return sum(float(b.sum()) for b in loader)
 
 
 def main():
@@ -32,6 +52,7 @@ def main():
         "instances": popdist.getNumInstances(),
         "ipus_per_replica": popdist.getNumIpusPerReplica(),
         "popdist_env": popdist.isPopdistEnvSet(),
+        "async_sum": async_sum(),
         "modules": sorted(m for m in sys.modules
                           if m.split(".")[0] in ("poptorch", "popdist", "popart")),
     }
