@@ -379,3 +379,20 @@ def test_exported_aliases_reach_new_interpreters_and_are_not_real(alias, tmp_pat
     with pytest.raises(ImportError, match="only in a program run by python -m "
                                           "poptorchsim.run"):
         aliases._become("poptorch")
+
+
+def test_the_worker_writes_the_aliases_where_they_are_removed_or_reused(monkeypatch,
+                                                                       tmp_path):
+    from poptorchsim.distributed import _worker
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv(_worker.ALIAS_DIR, str(tmp_path))      # the launcher's, removed
+    assert _worker._alias_directory({"poptorch": "poptorchsim"}) == str(tmp_path / "process1")
+    monkeypatch.delenv(_worker.ALIAS_DIR)                    # by hand: this user's, reused
+    monkeypatch.setattr(_worker.tempfile, "gettempdir", lambda: str(tmp_path))
+    mine = tmp_path / f"poptorchsim-aliases-{os.getuid()}"
+    assert _worker._alias_directory({"poptorch": 0, "popdist": 1}) == \
+        str(mine / "popdist+poptorch")
+    assert mine.stat().st_mode & 0o777 == 0o700
+    mine.chmod(0o777)                                        # not safely ours: a fresh one
+    fresh = _worker._alias_directory({"poptorch": 0})
+    assert Path(fresh).parent == tmp_path and Path(fresh).name.startswith("poptorchsim-")

@@ -17,6 +17,7 @@ import os
 import runpy
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -53,14 +54,23 @@ def _exit_late_on_sigterm(grace_s=GRACE_S):
     threading.Thread(target=wait, name="poptorchsim-sigterm", daemon=True).start()
 
 
-def _alias_directory():
-    """Where this process writes the modules that alias poptorch in the
-    processes it starts: under the launcher's directory (it removes it),
-    or a temporary one removed at exit."""
+def _alias_directory(names):
+    """Where this process writes the modules that alias ``names`` in the
+    processes it starts: under the launcher's directory (it removes it at
+    the end of the run); started by hand, in a directory of this user's that
+    later runs reuse (a process stopped abruptly cannot remove its own)."""
     base = os.environ.get(ALIAS_DIR)
     if base:
         return os.path.join(base, f"process{os.environ['RANK']}")
-    directory = tempfile.mkdtemp(prefix="poptorchsim-aliases-")
+    mine = os.path.join(tempfile.gettempdir(), f"poptorchsim-aliases-{os.getuid()}")
+    try:
+        os.makedirs(mine, mode=0o700, exist_ok=True)
+        st = os.lstat(mine)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+            return os.path.join(mine, "+".join(sorted(names)) or "none")
+    except OSError:
+        pass
+    directory = tempfile.mkdtemp(prefix="poptorchsim-aliases-")     # not safely ours
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     return directory
 
@@ -74,7 +84,7 @@ def main(argv=None):
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     installed = aliases.install()       # import poptorch, popdist -> poptorchsim
-    installed.export(_alias_directory())    # ... and in processes the script starts
+    installed.export(_alias_directory(installed.aliased))    # ... and in processes the script starts
     if os.environ["RANK"] == "0":
         for note in installed.notes():
             print(note, file=sys.stderr)

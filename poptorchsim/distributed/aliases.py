@@ -98,10 +98,14 @@ class Installed:
         ``sys.path``; here the finder answers first), and the aliases in
         POPTORCHSIM_ALIASES."""
         os.makedirs(directory, exist_ok=True)
-        open(os.path.join(directory, MARKER), "w").close()
-        for alias, target in self.aliased.items():
-            with open(os.path.join(directory, alias + ".py"), "w") as f:
-                f.write(_SHIM.format(alias=alias, target=target))
+        files = {MARKER: ""}
+        files.update({alias + ".py": _SHIM.format(alias=alias, target=target)
+                      for alias, target in self.aliased.items()})
+        for name, text in files.items():     # whole files only: others may read them now
+            part = os.path.join(directory, f".{name}.{os.getpid()}")
+            with open(part, "w") as f:
+                f.write(text)
+            os.replace(part, os.path.join(directory, name))
         os.environ[ENV] = ",".join(f"{a}={t}" for a, t in self.aliased.items())
         path = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = os.pathsep.join(([path] if path else []) + [directory])
