@@ -9,8 +9,12 @@ group on this machine), each with 4 / 2 = 2 local replicas.  Each process
 sees ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE`` (read by
 ``poptorch.Options().Distributed``) and poprun's ``POPDIST_NUM_INSTANCES``,
 ``POPDIST_INSTANCE_INDEX``, ``POPDIST_NUM_TOTAL_REPLICAS`` and
-``POPDIST_NUM_LOCAL_REPLICAS``; a script sets its replication factor from
-the last one.  If a process fails, the others are stopped and the launcher
+``POPDIST_NUM_LOCAL_REPLICAS`` (and ``POPDIST_NUM_IPUS_PER_REPLICA`` with
+``--ipus-per-replica``); a script sets its replication factor from the
+last one, or through ``popdist.poptorch.Options()``.  ``import poptorch``
+and ``import popdist`` in the script import poptorchsim and
+``poptorchsim.popdist`` (``distributed/aliases.py``), so a PopTorch program
+runs unchanged.  If a process fails, the others are stopped and the launcher
 exits with 1, printing one line per failed process, the cause first.
 """
 import argparse
@@ -21,8 +25,8 @@ import sys
 def parse(argv):
     p = argparse.ArgumentParser(
         prog="python -m poptorchsim.run",
-        usage="%(prog)s [--num-instances P] [--num-replicas R] [--master-port PORT] "
-              "[--] script.py [args ...]",
+        usage="%(prog)s [--num-instances P] [--num-replicas R] [--ipus-per-replica N] "
+              "[--master-port PORT] [--] script.py [args ...]",
         description="Run a PopTorch program as several processes sharing its replicas "
                     "(the shape of poprun).")
     p.add_argument("--num-instances", type=int, default=1, metavar="P",
@@ -30,6 +34,9 @@ def parse(argv):
     p.add_argument("--num-replicas", type=int, default=None, metavar="R",
                    help="replicas in all processes together, a multiple of P "
                         "(default: one per process)")
+    p.add_argument("--ipus-per-replica", type=int, default=None, metavar="N",
+                   help="IPUs each replica spans, read by popdist.getNumIpusPerReplica() "
+                        "and popdist.poptorch.Options (default: unset, which reads as 1)")
     p.add_argument("--master-port", type=int, default=None, metavar="PORT",
                    help="TCP port on localhost for the processes to meet "
                         "(default: a free one)")
@@ -47,6 +54,8 @@ def parse(argv):
                 f"--num-instances ({args.num_instances}): each process holds the same "
                 f"number of replicas. Try --num-replicas "
                 f"{max(1, args.num_replicas // args.num_instances + 1) * args.num_instances}.")
+    if args.ipus_per_replica is not None and args.ipus_per_replica < 1:
+        p.error(f"--ipus-per-replica must be at least 1 (got {args.ipus_per_replica})")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         p.error(f"--master-port must be between 1 and 65535 (got {args.master_port})")
     if not os.path.isfile(args.script):
@@ -72,7 +81,7 @@ def main(argv=None):
     args = parse(sys.argv[1:] if argv is None else list(argv))
     from .distributed.launch import launch
     return launch(args.script, args.args, args.num_instances, args.num_replicas,
-                  master_port=args.master_port)
+                  master_port=args.master_port, ipus_per_replica=args.ipus_per_replica)
 
 
 if __name__ == "__main__":

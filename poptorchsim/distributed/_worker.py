@@ -1,7 +1,9 @@
 """One process of ``python -m poptorchsim.run``: maps torch.distributed's
 RANK and WORLD_SIZE onto the variables PopTorch programs read (Open MPI's,
 which ``Options.Distributed`` reads, and poprun's POPDIST_*), then runs the
-user's script as ``__main__``.
+user's script as ``__main__``, with ``import poptorch``, ``import popdist``
+(and ``import popart``, where poptorchsim has it) answered by poptorchsim
+unless a real package of that name is installed (``aliases.py``).
 
 An exception is recorded for the launcher (torch's ``record``), which prints
 its first line in the run's summary.  When another process fails the
@@ -10,15 +12,22 @@ launcher stops this one with SIGTERM; this process takes up to
 moment (typically "Replica process N of P stopped responding ...") is
 recorded rather than cut off.
 """
+import atexit
 import os
 import runpy
+import shutil
 import signal
+import stat
 import sys
+import tempfile
 import threading
 import time
 
+from . import aliases
+
 GRACE_S = 3.0
 STOPPED = 128 + signal.SIGTERM     # the exit code after the grace period
+ALIAS_DIR = "POPTORCHSIM_ALIAS_DIR"  # set by launch.py
 
 
 def set_environment(env=os.environ):
@@ -45,6 +54,27 @@ def _exit_late_on_sigterm(grace_s=GRACE_S):
     threading.Thread(target=wait, name="poptorchsim-sigterm", daemon=True).start()
 
 
+def _alias_directory(names):
+    """Where this process writes the modules that alias ``names`` in the
+    processes it starts: under the launcher's directory (it removes it at
+    the end of the run); started by hand, in a directory of this user's that
+    later runs reuse (a process stopped abruptly cannot remove its own)."""
+    base = os.environ.get(ALIAS_DIR)
+    if base:
+        return os.path.join(base, f"process{os.environ['RANK']}")
+    mine = os.path.join(tempfile.gettempdir(), f"poptorchsim-aliases-{os.getuid()}")
+    try:
+        os.makedirs(mine, mode=0o700, exist_ok=True)
+        st = os.lstat(mine)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+            return os.path.join(mine, "+".join(sorted(names)) or "none")
+    except OSError:
+        pass
+    directory = tempfile.mkdtemp(prefix="poptorchsim-aliases-")     # not safely ours
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
+
+
 def main(argv=None):
     script, *args = sys.argv[1:] if argv is None else argv
     _exit_late_on_sigterm()
@@ -53,6 +83,11 @@ def main(argv=None):
     set_environment()
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    installed = aliases.install()       # import poptorch, popdist -> poptorchsim
+    installed.export(_alias_directory(installed.aliased))    # ... and in processes the script starts
+    if os.environ["RANK"] == "0":
+        for note in installed.notes():
+            print(note, file=sys.stderr)
     record(runpy.run_path)(script, run_name="__main__")
 
 

@@ -4,15 +4,18 @@ launcher (what ``torchrun`` uses), on this machine.
 Each process runs ``python -m poptorchsim.distributed._worker script args``
 with torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, plus poprun's
 POPDIST_NUM_INSTANCES, POPDIST_NUM_TOTAL_REPLICAS and
-POPDIST_NUM_LOCAL_REPLICAS; the worker adds the rest.  If one process fails
+POPDIST_NUM_LOCAL_REPLICAS (and POPDIST_NUM_IPUS_PER_REPLICA when given);
+the worker adds the rest.  If one process fails
 the launcher stops the others; ``launch`` then returns 1 and prints one line
 per failed process, the cause first.
 """
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import uuid
 
 from . import PEER_LOST
@@ -24,7 +27,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(script, args, num_instances, num_replicas, master_port=None, out=sys.stderr):
+def launch(script, args, num_instances, num_replicas, master_port=None, out=sys.stderr,
+           ipus_per_replica=None):
     """Run ``script args`` as ``num_instances`` processes holding
     ``num_replicas`` replicas in all; the exit code for the launcher."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -36,6 +40,8 @@ def launch(script, args, num_instances, num_replicas, master_port=None, out=sys.
         "POPDIST_NUM_TOTAL_REPLICAS": str(num_replicas),
         "POPDIST_NUM_LOCAL_REPLICAS": str(num_replicas // num_instances),
     })
+    if ipus_per_replica is not None:
+        os.environ["POPDIST_NUM_IPUS_PER_REPLICA"] = str(ipus_per_replica)
     os.environ.setdefault("OMP_NUM_THREADS", "1")   # P processes share the cores
     port = master_port or free_port()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=num_instances,
@@ -43,6 +49,8 @@ def launch(script, args, num_instances, num_replicas, master_port=None, out=sys.
                           rdzv_endpoint=f"127.0.0.1:{port}",
                           rdzv_configs={"rank": 0, "timeout": 60}, max_restarts=0,
                           monitor_interval=0.1)
+    from ._worker import ALIAS_DIR
+    os.environ[ALIAS_DIR] = tempfile.mkdtemp(prefix="poptorchsim-aliases-")
     try:
         elastic_launch(config, sys.executable)(
             "-u", "-m", "poptorchsim.distributed._worker", script, *args)
@@ -50,6 +58,8 @@ def launch(script, args, num_instances, num_replicas, master_port=None, out=sys.
         for line in summarize(e.failures, num_instances):
             print(line, file=out)
         return 1
+    finally:
+        shutil.rmtree(os.environ.pop(ALIAS_DIR), ignore_errors=True)
     return 0
 
 
