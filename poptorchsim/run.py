@@ -4,7 +4,10 @@ The shape of Graphcore's ``poprun``::
 
     python -m poptorchsim.run --num-instances 2 --num-replicas 4 [--] train.py --epochs 1
 
-starts 2 processes through torch.distributed's launcher (a gloo process
+(``python -m poptorchsim.run train.py --epochs 1``, with no launcher
+option, runs the script in this process, as ``python train.py`` would,
+with its imports aliased as below and no popdist environment) starts 2
+processes through torch.distributed's launcher (a gloo process
 group on this machine), each with 4 / 2 = 2 local replicas.  Each process
 sees ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE`` (read by
 ``poptorch.Options().Distributed``) and poprun's ``POPDIST_NUM_INSTANCES``,
@@ -29,8 +32,10 @@ def parse(argv):
               "[--master-port PORT] [--] script.py [args ...]",
         description="Run a PopTorch program as several processes sharing its replicas "
                     "(the shape of poprun).")
-    p.add_argument("--num-instances", type=int, default=1, metavar="P",
-                   help="processes to start (poprun's --num-instances; default 1)")
+    p.add_argument("--num-instances", type=int, default=None, metavar="P",
+                   help="processes to start (poprun's --num-instances; default 1). Without "
+                        "--num-instances and --num-replicas the script runs in this "
+                        "process, as `python script.py` would, outside any launch")
     p.add_argument("--num-replicas", type=int, default=None, metavar="R",
                    help="replicas in all processes together, a multiple of P "
                         "(default: one per process)")
@@ -45,6 +50,10 @@ def parse(argv):
     options, rest = _split(argv)
     args = p.parse_args(options + rest[:1])
     args.args = rest[1:]
+    args.here = args.num_instances is None and args.num_replicas is None \
+        and args.ipus_per_replica is None and args.master_port is None
+    if args.num_instances is None:
+        args.num_instances = 1
     if args.num_instances < 1:
         p.error(f"--num-instances must be at least 1 (got {args.num_instances})")
     if args.num_replicas is None:
@@ -79,6 +88,9 @@ def _split(argv):
 
 def main(argv=None):
     args = parse(sys.argv[1:] if argv is None else list(argv))
+    if args.here:       # no launch: this process runs the script, its imports aliased
+        from .distributed._worker import run_here
+        return run_here(args.script, args.args)
     from .distributed.launch import launch
     return launch(args.script, args.args, args.num_instances, args.num_replicas,
                   master_port=args.master_port, ipus_per_replica=args.ipus_per_replica)

@@ -117,6 +117,27 @@ def test_imports_resolve_to_poptorchsim_under_the_launcher(tmp_path):
     assert "poptorchsim: a real" not in result.stderr
 
 
+def test_without_launcher_options_the_script_runs_in_this_process(tmp_path):
+    """``python -m poptorchsim.run script.py`` is ``python script.py`` with
+    its imports aliased: no launch, so popdist answers as one instance
+    outside poprun, and the DataLoader's worker process still imports
+    poptorch."""
+    out = tmp_path / "which.json"
+    result, _ = _launch(WHICH, out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(out.read_text())
+    assert found["poptorch_is_poptorchsim"] and found["popdist_is_ours"]
+    assert found["popdist_env"] is False and found["instances"] == 1
+    assert found["async_sum"] == 28.0
+    assert "torch.distributed" not in result.stderr and "process 0 of 1" not in result.stderr
+
+    failing = tmp_path / "fails.py"
+    failing.write_text("import poptorch\nraise ValueError('the script fails here')\n")
+    result, _ = _launch(failing)
+    assert result.returncode == 1
+    assert result.stderr.rstrip().splitlines()[-1] == "ValueError: the script fails here"
+
+
 def test_a_real_installed_package_is_not_shadowed(tmp_path):
     fake = tmp_path / "site" / "popdist"
     fake.mkdir(parents=True)

@@ -91,5 +91,21 @@ def main(argv=None):
     record(runpy.run_path)(script, run_name="__main__")
 
 
+def run_here(script, args):
+    """``script args`` in this process, as ``python script args`` runs it,
+    with ``import poptorch``, ``import popdist`` (and ``import popart``)
+    answered by poptorchsim, here and in the processes it starts; outside
+    any launch (popdist answers as one instance).  Returns 0; the script's
+    exceptions propagate."""
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    installed = aliases.install()
+    installed.export(_alias_directory(installed.aliased))
+    for note in installed.notes():
+        print(note, file=sys.stderr)
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
 if __name__ == "__main__":
     main()
