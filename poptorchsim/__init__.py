@@ -30,6 +30,7 @@ from ._api.graph_ops import (Attribute, CustomOp, MultiConv, NameScope, custom_o
                         dynamic_slice, dynamic_update, nop, register_custom_op,
                         serializedMatMul)
 from .options import ConfigFileError, Options, TensorLocationSettings
+from ._api import op_library as _op_library  # noqa: F401 - defines torch.ops.poptorch
 from ._api.printing import module_repr, print  # noqa: A004 - PopTorch's poptorch.print
 from ._api.overlap import set_overlap_for_input, set_overlap_for_output
 from .runtime.executor import PoplarExecutor

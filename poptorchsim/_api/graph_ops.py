@@ -302,9 +302,7 @@ class NameScope:
         self._scope = None
 
     def __enter__(self):
-        outer = _scopes.current(_scopes.NAME_SCOPE)
-        self._scope = _scopes.scope(_scopes.NAME_SCOPE,
-                                    f"{outer}/{self.name}" if outer else self.name)
+        self._scope = _scopes.scope(_scopes.NAME_SCOPE, _scopes.joined_name(self.name))
         self._scope.__enter__()
 
     def __exit__(self, exc_type, exc, tb):

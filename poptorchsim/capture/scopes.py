@@ -1,5 +1,7 @@
 """Scopes that annotate every op traced inside them: PopTorch's
-``NameScope``, ``Attribute`` and ``MultiConv``.
+``NameScope``, ``Attribute`` and ``MultiConv``, and the imperative forms
+of the first two that ``torch.ops.poptorch`` offers (``push_name_scope`` /
+``pop_name_scope``, ``set_attribute`` / ``clear_attribute``).
 
 As ``capture.blocks`` does for blocks, a scope sets a key of torch.fx's
 node-meta annotation ``node.meta["custom"]`` while the model is traced, so
@@ -13,6 +15,7 @@ import contextlib
 
 import torch.fx.traceback as fx_traceback
 
+from ..errors import Error
 from . import blocks as _blocks
 
 NAME_SCOPE = "name_scope"     # "outer/inner"
@@ -43,6 +46,61 @@ def scope(key, value):
             custom.pop(key, None)
         else:
             custom[key] = old
+
+
+def joined_name(name):
+    """``name`` inside the name scope in force: ``outer/name``."""
+    outer = current(NAME_SCOPE)
+    return f"{outer}/{name}" if outer else name
+
+
+def push_name_scope(name):
+    """``NameScope(name).__enter__()`` with the scope kept open until
+    ``pop_name_scope``: PopTorch's ``torch.ops.poptorch.push_name_scope``."""
+    state = _blocks.trace_state()
+    if state is None:
+        return
+    opened = scope(NAME_SCOPE, joined_name(name))
+    opened.__enter__()
+    state.setdefault("name_scopes", []).append(opened)
+
+
+def pop_name_scope():
+    """Closes the name scope the last ``push_name_scope`` opened."""
+    state = _blocks.trace_state()
+    if state is None:
+        return
+    opened = state.get("name_scopes")
+    if not opened:
+        raise Error("torch.ops.poptorch.pop_name_scope() was called with no name scope "
+                    "open: each pop_name_scope() closes the scope of an earlier "
+                    "push_name_scope(name) in the same forward(); remove the extra pop, "
+                    "or use `with poptorch.NameScope(name):`.")
+    opened.pop().__exit__(None, None, None)
+
+
+def _set_attributes(change):
+    if not _blocks.is_recording():
+        return
+    custom = fx_traceback.current_meta.setdefault("custom", {})
+    values = {attr: dict(kv) for attr, kv in (custom.get(ATTRIBUTES) or {}).items()}
+    change(values)
+    values = {attr: kv for attr, kv in values.items() if kv}
+    if values:
+        custom[ATTRIBUTES] = values
+    else:
+        custom.pop(ATTRIBUTES, None)
+
+
+def set_attribute(attribute, key, value):
+    """Ops traced from now on carry ``attribute[key] = value`` (PopTorch's
+    ``torch.ops.poptorch.set_attribute``, which ``Attribute`` scopes call)."""
+    _set_attributes(lambda values: values.setdefault(attribute, {}).__setitem__(key, value))
+
+
+def clear_attribute(attribute, key):
+    """Ops traced from now on no longer carry ``attribute[key]``."""
+    _set_attributes(lambda values: values.get(attribute, {}).pop(key, None))
 
 
 def node_scopes(node):

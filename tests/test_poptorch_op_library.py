@@ -1,0 +1,536 @@
+"""``torch.ops.poptorch``: PopTorch's operator library, each operator doing
+what the Python API call it stands for does.  Every test writes one model
+twice, with the Python API and with the operator, and checks that both give
+the same outputs, the same IR (``getIR()`` text: names, stages, attributes,
+recomputation) and the same cycle estimate."""
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import poptorchsim as poptorch
+from conftest import LogRecords, quiet_options
+from poptorchsim import popart
+from poptorchsim._api import op_library
+
+P = torch.ops.poptorch
+
+
+def _compiled(model, inputs, training, options):
+    if training:
+        pm = poptorch.trainingModel(model, options,
+                                    torch.optim.SGD(model.parameters(), lr=0.1))
+    else:
+        pm = poptorch.inferenceModel(model, options)
+    return pm, pm(*inputs)
+
+
+def same_as_api(make, *inputs, training=False, options=quiet_options):
+    """``make(use_op)`` built with the API (False) and with the operator
+    (True): same outputs, trained weights, IR text and cycles.  Returns the
+    operator's executor."""
+    runs = []
+    for use_op in (False, True):
+        torch.manual_seed(0)
+        model = make(use_op)
+        pm, out = _compiled(model, inputs, training, options())
+        runs.append((pm, out, [p.detach().clone() for p in model.parameters()]))
+    (api, api_out, api_w), (op, op_out, op_w) = runs
+    torch.testing.assert_close(op_out, api_out, rtol=0, atol=0)
+    for a, b in zip(op_w, api_w):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert str(op.getIR()) == str(api.getIR())
+    assert op.cycleEstimate() == api.cycleEstimate()
+    return op
+
+
+class Layers(nn.Module):
+    """Two linear layers; ``body(self, x)`` decides what happens between them."""
+
+    def __init__(self, body, loss=True, width=8):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+        self.body = body
+        self.loss = loss
+
+    def forward(self, x, target=None):
+        out = self.body(self, x)
+        if target is None:
+            return out
+        return out, nn.functional.mse_loss(out, target)
+
+
+X, Y = torch.randn(4, 8), torch.randn(4, 8)
+
+
+# -- the library ------------------------------------------------------------------------
+POPTORCH_OPS = [   # every operator of PopTorch's TORCH_LIBRARY(poptorch, m) block
+    "begin_ipu_block", "end_ipu_block", "start_for_loop", "start_if_block",
+    "start_else_block", "optimizer_group", "begin_multi_conv", "end_multi_conv",
+    "push_name_scope", "pop_name_scope", "set_attribute", "clear_attribute",
+    "ipu_print_tensor", "nop", "end_for_loop", "end_if_block", "set_matmul_serialization",
+    "set_overlap_for_input", "set_overlap_for_output", "recomputation_checkpoint",
+    "set_available_memory", "custom_operation", "ctc_beam_search_decoder", "dynamic_slice",
+    "dynamic_update", "identity_loss", "internal_cast", "end_cpu_op", "call_cpu_op", "fps",
+    "nearest", "nearest_batch_list"]
+
+
+def test_every_poptorch_operator_is_defined_with_poptorchs_schema():
+    assert sorted(op_library.SCHEMAS) == sorted(POPTORCH_OPS)
+    for name in POPTORCH_OPS:
+        schema = str(getattr(P, name).default._schema)
+        assert schema == f"poptorch::{name}{op_library.SCHEMAS[name]}"
+    assert str(P.begin_ipu_block.default._schema) == \
+        "poptorch::begin_ipu_block(int stage_id, int phase_id, int ipu_id) -> ()"
+    assert str(P.internal_cast.default._schema) == \
+        "poptorch::internal_cast(Tensor self, str dtype) -> Tensor"
+
+
+def test_a_namespace_taken_by_another_library_is_skipped_with_a_note():
+    taken = torch.library.Library("poptorchsim_test_taken", "DEF")    # noqa: F841 - kept alive
+    records = LogRecords()
+    logger = logging.getLogger("poptorchsim")
+    logger.addHandler(records)
+    try:
+        assert op_library.register("poptorchsim_test_taken") is None
+    finally:
+        logger.removeHandler(records)
+    assert len(records.messages) == 1
+    assert "torch.ops.poptorchsim_test_taken is already defined by another library" \
+        in records.messages[0]
+    assert not hasattr(torch.ops.poptorchsim_test_taken, "nop")
+
+
+def test_eager_calls_do_what_the_api_does():
+    x = torch.randn(4, 8, requires_grad=True)
+    y = P.nop(x)
+    assert torch.equal(y, x) and y is not x and y.grad_fn is not None
+    assert P.identity_loss(x, 0).item() == pytest.approx(x.sum().item())
+    assert P.identity_loss(x, 1).item() == pytest.approx(x.mean().item())
+    assert torch.equal(P.identity_loss(x, 2), x)
+    assert P.recomputation_checkpoint(x) is x and P.set_available_memory(x, 0.3) is x
+    assert P.internal_cast(x, "FLOAT16").dtype == torch.float16
+    P.push_name_scope("outside"), P.pop_name_scope(), P.pop_name_scope()   # nothing traced
+    P.begin_ipu_block(1, 0, 1), P.end_ipu_block()
+    P.set_attribute("__outline", "layer", "a"), P.clear_attribute("__outline", "layer")
+    start = torch.tensor([2])
+    torch.testing.assert_close(P.dynamic_slice(x, 1, start, 2, 1),
+                               poptorch.dynamic_slice(x, 1, start, 2, 1))
+    P.identity_loss(x, 1).backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 1 / 32))
+
+
+def test_make_fx_with_fake_tensors_traces_through_the_operators():
+    def f(x):
+        P.push_name_scope("s")
+        y = P.internal_cast(P.nop(x), "FLOAT16")
+        P.pop_name_scope()
+        return P.identity_loss(P.recomputation_checkpoint(y), 0)
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(3, 4))
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets == ["poptorchsim.nop.default", "aten._to_copy.default",
+                       "aten.sum.default"]
+    torch.testing.assert_close(gm(torch.ones(3, 4)), torch.tensor(12.0, dtype=torch.half))
+
+
+# -- name scopes, attributes ---------------------------------------------------------------
+def _scoped(use_op):
+    def body(self, x):
+        if use_op:
+            P.push_name_scope("enc")
+            x = self.fc1(x)
+            P.push_name_scope("inner")
+            x = torch.relu(x)
+            P.pop_name_scope()
+            P.pop_name_scope()
+        else:
+            with poptorch.NameScope("enc"):
+                x = self.fc1(x)
+                with poptorch.NameScope("inner"):
+                    x = torch.relu(x)
+        return self.fc2(x)
+    return Layers(body)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_push_and_pop_name_scope_name_ops_as_name_scope_does(training):
+    pm = same_as_api(_scoped, X, *((Y,) if training else ()), training=training)
+    text = str(pm.getIR())
+    assert "%enc/fc1/addmm" in text and "%enc/inner/relu" in text
+
+
+def test_the_cnn_benchmarks_name_scope_hooks_work():
+    """vision/cnns/pytorch/models/models.py's ``name_scope_hook``: every
+    module pushes its name before forward and pops it after (the lambda
+    closes over the loop variable, so every scope is the last module's name)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    for name, m in model.named_modules():
+        m.register_forward_pre_hook(lambda _m, _i: P.push_name_scope(name.split(".")[-1]))
+        m.register_forward_hook(lambda _m, _i, _o: P.pop_name_scope())
+    expected = model(X)                                   # runs on the CPU too
+    opts = quiet_options().disableModuleNamescope()
+    pm = poptorch.inferenceModel(model, opts)
+    torch.testing.assert_close(pm(X), expected)
+    names = [op.name for op in pm.getIR().graphs["inference_forward"].ops]
+    assert "2/2/addmm" in names and "2/2/relu" in names
+
+
+def _attributed(use_op):
+    def body(self, x):
+        if use_op:
+            P.set_attribute("__outline", "layer", "enc")
+            x = poptorch.nop(self.fc1(x))
+            P.clear_attribute("__outline", "layer")
+        else:
+            with poptorch.Attribute(__outline={"layer": "enc"}):
+                x = poptorch.nop(self.fc1(x))
+        return self.fc2(x)
+    return Layers(body)
+
+
+def test_set_and_clear_attribute_mark_ops_as_attribute_does():
+    pm = same_as_api(_attributed, X)
+    ops = pm.getIR().graphs["inference_forward"].ops
+    assert next(op for op in ops if op.name == "fc1/addmm").attrs["attributes"] == \
+        {"__outline": {"layer": "enc"}}
+    assert "attributes" not in next(op for op in ops if op.name == "fc2/addmm_1").attrs
+
+
+# -- blocks ------------------------------------------------------------------------------
+class Pipelined(nn.Module):
+    def __init__(self, use_op):
+        super().__init__()
+        self.use_op = use_op
+        self.fc1, self.fc2, self.fc3 = (nn.Linear(8, 8) for _ in range(3))
+        if not use_op:
+            poptorch.BeginBlock(self.fc2, user_id="1", ipu_id=1)
+
+    def forward(self, x, target):
+        x = torch.relu(self.fc1(x))
+        if self.use_op:
+            P.begin_ipu_block(1, 0, 1)
+        x = self.fc3(torch.relu(self.fc2(x)))
+        return x, nn.functional.mse_loss(x, target)
+
+
+def _pipelined_options():
+    o = quiet_options().deviceIterations(2)
+    o.Training.gradientAccumulation(4)
+    return o
+
+
+def test_begin_ipu_block_pipelines_as_begin_block_does():
+    xs, ys = torch.randn(32, 8), torch.randn(32, 8)
+    pm = same_as_api(Pipelined, xs, ys, training=True, options=_pipelined_options)
+    text = str(pm.getIR())
+    assert "stage 1, ipu 1" in text and "stage 0, ipu 0" in text
+
+
+def _block_scope(use_op):
+    def body(self, x):
+        x = self.fc1(x)
+        if use_op:
+            P.begin_ipu_block(1, 0, 1)
+            x = self.fc2(x)
+            P.end_ipu_block()
+        else:
+            with poptorch.Block("1", ipu_id=1):
+                x = self.fc2(x)
+        return x
+    return Layers(body)
+
+
+def test_end_ipu_block_ends_the_block_as_a_block_scope_does():
+    pm = same_as_api(_block_scope, X, options=lambda: quiet_options().setExecutionStrategy(
+        poptorch.ShardedExecution()))
+    assert "stage 1, ipu 1" in str(pm.getIR())
+
+    def after_end(self, x):
+        P.begin_ipu_block(0, 0, 0)
+        x = self.fc1(x)
+        P.end_ipu_block()
+        return self.fc2(x)                 # in no block, as PopTorch refuses
+    with pytest.raises(poptorch.Error) as via_op:
+        poptorch.inferenceModel(Layers(after_end), quiet_options())(X)
+
+    def after_scope(self, x):
+        with poptorch.Block("0", ipu_id=0):
+            x = self.fc1(x)
+        return self.fc2(x)
+    with pytest.raises(poptorch.Error) as via_api:
+        poptorch.inferenceModel(Layers(after_scope), quiet_options())(X)
+    assert str(via_op.value) == str(via_api.value)
+
+
+# -- identity-like annotations --------------------------------------------------------------
+def _annotated(annotation):
+    def make(use_op):
+        def body(self, x):
+            h = torch.tanh(self.fc1(x))
+            h = annotation(use_op, h)
+            return self.fc2(h)
+        return Layers(body)
+    return make
+
+
+@pytest.mark.parametrize("name, annotation", [
+    ("nop", lambda op, h: P.nop(h) if op else poptorch.nop(h)),
+    ("recomputation_checkpoint",
+     lambda op, h: P.recomputation_checkpoint(h) if op else poptorch.recomputationCheckpoint(h)),
+    ("set_available_memory",
+     lambda op, h: P.set_available_memory(h, 0.2) if op else
+     poptorch.set_available_memory(h, 0.2)),
+])
+def test_identity_like_annotations_match_the_api(name, annotation):
+    def options():
+        o = quiet_options()
+        o._Popart.set("autoRecomputation", popart.RecomputationType.RecomputeAll)
+        return o
+    pm = same_as_api(_annotated(annotation), X, Y, training=True, options=options)
+    graph = pm.getIR().graphs["training_step"]
+    if name == "recomputation_checkpoint":
+        assert graph.recompute.checkpoints == 1
+    elif name == "nop":
+        assert any(op.name == "nop" for op in graph.ops)
+
+
+def test_set_available_memory_reaches_the_matmul():
+    def make(use_op):
+        def body(self, x):
+            h = self.fc1(x)
+            h = P.set_available_memory(h, 0.1) if use_op else \
+                poptorch.set_available_memory(h, 0.1)
+            return self.fc2(h)
+        return Layers(body)
+    pm = same_as_api(make, X)
+    ops = pm.getIR().graphs["inference_forward"].ops
+    assert next(op for op in ops if op.name == "fc1/addmm").available_memory == 0.1
+
+
+def test_set_matmul_serialization_matches_serialized_matmul():
+    mode = poptorch.MatMulSerializationMode.OutputChannels
+
+    def make(use_op):
+        def body(self, x):
+            if use_op:
+                return P.set_matmul_serialization(x @ self.fc1.weight, mode.value, 2, False)
+            return poptorch.serializedMatMul(x, self.fc1.weight, mode, 2)
+        return Layers(body)
+    pm = same_as_api(make, X)
+    assert "serialization=('output_channels', 2, False)" in str(pm.getIR())
+
+
+def test_ipu_print_tensor_prints_as_the_api(capfd):
+    def make(use_op):
+        def body(self, x):
+            h = self.fc1(x)
+            if use_op:
+                h = P.ipu_print_tensor(h, "h", 0, 1000, 3, 80, 4, 1, ", ", "(", ")")
+            else:
+                h = poptorch.ipu_print_tensor(h, "h", print_gradient=False,
+                                              float_format="fixed")
+            return self.fc2(h)
+        return Layers(body)
+    same_as_api(make, X)
+    printed = capfd.readouterr().err
+    prints = [line for line in printed.splitlines() if line.startswith("h:")]
+    assert len(prints) == 2 and prints[0] == prints[1]
+
+
+def test_set_overlap_for_input_and_output_match_the_api():
+    mode = poptorch.OverlapMode.OverlapAccumulationLoop
+
+    def make(use_op):
+        def body(self, x):
+            x = P.set_overlap_for_input(x, mode.value) if use_op else \
+                poptorch.set_overlap_for_input(x, mode)
+            out = torch.relu(self.fc1(x))
+            return P.set_overlap_for_output(out, mode.value) if use_op else \
+                poptorch.set_overlap_for_output(out, mode)
+        return Layers(body, width=256)
+
+    def options():
+        o = quiet_options().setExecutionStrategy(poptorch.ShardedExecution())
+        o.TensorLocations.numIOTiles(32)
+        return o
+    same_as_api(make, torch.randn(16, 256), options=options)
+
+
+# -- losses, casts, slices --------------------------------------------------------------------
+@pytest.mark.parametrize("code, reduction", [(0, "sum"), (1, "mean"), (2, "none")])
+def test_identity_loss_codes_match_the_reductions(code, reduction):
+    def make(use_op):
+        def body(self, x):
+            out = self.fc2(torch.relu(self.fc1(x)))
+            loss = (out - 1.0) ** 2
+            loss = P.identity_loss(loss, code) if use_op else \
+                poptorch.identity_loss(loss, reduction)
+            return out, loss
+        return Layers(body)
+    same_as_api(make, X, training=True)
+
+
+def test_internal_cast_casts_as_the_dino_gelu_does():
+    """vision/dino/pytorch/core/gelu.py: an fp16 model computes GELU in fp32."""
+    def make(use_op):
+        def body(self, x):
+            h = self.fc1(x)
+            wide = P.internal_cast(h, "FLOAT") if use_op else h.float()
+            out = wide * 0.5 * (1.0 + torch.erf(wide / 2.0 ** 0.5))
+            out = P.internal_cast(out, "FLOAT16") if use_op else out.half()
+            return self.fc2(out)
+        return Layers(body).half()
+    pm = same_as_api(make, X.half())
+    ops = {op.name: op for op in pm.getIR().graphs["inference_forward"].ops}
+    assert ops["erf"].outputs[0].dtype == torch.float32
+    assert ops["fc2/addmm_1"].outputs[0].dtype == torch.float16
+    assert poptorch._impl.internal_cast(X, torch.half).dtype == torch.float16
+
+
+def test_dynamic_slice_and_update_match_the_api():
+    def make(use_op):
+        def body(self, x):
+            start = torch.tensor([2])
+            piece = P.dynamic_slice(x, 1, start, 4, 1) if use_op else \
+                poptorch.dynamic_slice(x, 1, start, 4, 1)
+            piece = piece * 2
+            return P.dynamic_update(x, piece, 1, start, 4) if use_op else \
+                poptorch.dynamic_update(x, piece, 1, start, 4)
+        return Layers(body)
+    same_as_api(make, X)
+
+
+CUBE = poptorch.register_custom_op("OpLibraryCube", lambda x, scale=1.0: x * x * x * scale,
+                                   domain="test.op_library", cycles_per_element=4)
+
+
+def test_custom_operation_runs_the_registered_custom_op():
+    def make(use_op):
+        def body(self, x):
+            h = self.fc1(x)
+            if use_op:
+                out, = P.custom_operation([h], "OpLibraryCube", "test.op_library", 1, 1, [h],
+                                          '{"scale": 0.5}')
+            else:
+                out, = poptorch.custom_op([h], "OpLibraryCube", "test.op_library", 1, [h],
+                                          attributes={"scale": 0.5})
+            return self.fc2(out)
+        return Layers(body)
+    same_as_api(make, X, Y, training=True)
+
+
+def _conv_model(use_op):
+    class Convs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(4, 8, 3), nn.Conv2d(4, 8, 3)
+
+        def forward(self, x):
+            if use_op:
+                P.begin_multi_conv()
+                y, z = self.a(x), self.b(x)
+                P.end_multi_conv([0.3, 0.4], [0, 1], 1, 20, 0.2, [1, 0])
+            else:
+                with poptorch.MultiConv().availableMemoryProportions([0.3, 0.4]) \
+                        .partialsTypes([torch.float, torch.half]) \
+                        .planType(poptorch.MultiConvPlanType.Serial) \
+                        .perConvReservedTiles(20).cycleBackOff(0.2) \
+                        .enableConvDithering([True, False]):
+                    y, z = self.a(x), self.b(x)
+            return y + z
+    return Convs()
+
+
+def test_begin_and_end_multi_conv_match_multi_conv():
+    pm = same_as_api(_conv_model, torch.randn(2, 4, 8, 8))
+    convs = [op for op in pm.getIR().graphs["inference_forward"].ops
+             if op.cost_class == "conv"]
+    assert len(convs) == 2
+
+
+# -- errors --------------------------------------------------------------------------------
+def _inference(body, *inputs):
+    return poptorch.inferenceModel(Layers(body), quiet_options())(*(inputs or (X,)))
+
+
+def test_arguments_are_checked_against_the_schema_when_traced_and_eagerly():
+    message = ("poptorch::set_attribute\\(\\) Expected a value of type 'str' for argument "
+               "'key' but instead found type 'int'")
+    with pytest.raises(RuntimeError, match=message):
+        P.set_attribute("__outline", 1, "a")
+    with pytest.raises(RuntimeError, match=message):
+        _inference(lambda self, x: (P.set_attribute("__outline", 1, "a"), x)[1])
+    with pytest.raises(RuntimeError, match="Expected a value of type 'int' for argument 'size'"):
+        _inference(lambda self, x: P.dynamic_slice(x, 1, torch.tensor([0]), 2.0, 1))
+
+
+def test_unbalanced_scopes_raise():
+    with pytest.raises(poptorch.Error, match="pop_name_scope\\(\\) was called with no name "
+                                             "scope open"):
+        _inference(lambda self, x: (P.pop_name_scope(), self.fc1(x))[1])
+    with pytest.raises(poptorch.Error, match="Unexpected end_multi_conv.*no begin_multi_conv"):
+        _inference(lambda self, x: (P.end_multi_conv(None, None, None, None, None, None),
+                                    self.fc1(x))[1])
+
+
+def test_bad_codes_raise():
+    with pytest.raises(poptorch.Error, match="reduction must be sum \\(0\\), mean \\(1\\) or "
+                                             "none \\(2\\), got 3"):
+        P.identity_loss(X, 3)
+    with pytest.raises(poptorch.Error, match="internal_cast: unknown type 'DOUBLE'"):
+        _inference(lambda self, x: P.internal_cast(x, "DOUBLE"))
+    with pytest.raises(poptorch.Error, match="float_format 7 is not one of"):
+        P.ipu_print_tensor(X, "x", 1, 1000, 3, 80, 4, 7, ", ", "(", ")")
+    with pytest.raises(poptorch.Error, match="set_matmul_serialization: mode 'rows' is not"):
+        P.set_matmul_serialization(X, "rows", 2, False)
+    with pytest.raises(poptorch.Error, match="factor \\(3\\) must divide the output_channels "
+                                             "dimension \\(8\\)"):
+        P.set_matmul_serialization(X, "output_channels", 3, False)
+    with pytest.raises(poptorch.Error, match="set_overlap_for_input: mode 'x' is not one of"):
+        P.set_overlap_for_input(X, "x")
+    with pytest.raises(ValueError, match="Invalid partials types"):
+        _inference(lambda self, x: (P.begin_multi_conv(), self.fc1(x),
+                                    P.end_multi_conv(None, [5], None, None, None, None))[1])
+
+
+def test_custom_operation_errors_are_custom_ops():
+    with pytest.raises(poptorch.Error) as via_api:
+        poptorch.custom_op([X], "Missing", "test.op_library", 1, [X])
+    with pytest.raises(poptorch.Error) as via_op:
+        P.custom_operation([X], "Missing", "test.op_library", 1, 1, [X], "")
+    assert str(via_op.value) == str(via_api.value)
+    assert "is not registered" in str(via_op.value)
+    with pytest.raises(poptorch.Error, match="num_outputs is 2 but 1 example outputs"):
+        P.custom_operation([X], "OpLibraryCube", "test.op_library", 1, 2, [X], "")
+    with pytest.raises(poptorch.Error, match="attributes must be a JSON object"):
+        P.custom_operation([X], "OpLibraryCube", "test.op_library", 1, 1, [X], "attr_0x1f")
+
+
+@pytest.mark.parametrize("name, args, use", [
+    ("start_for_loop", ([X],), "poptorch.for_loop"),
+    ("end_for_loop", ([X], [X], 2), "poptorch.for_loop"),
+    ("start_if_block", (X,), "poptorch.cond"),
+    ("call_cpu_op", ([X], "id"), "poptorch.CPU"),
+    ("optimizer_group", (0, [X]), "poptorch.trainingModel"),
+])
+def test_plumbing_operators_raise(name, args, use):
+    with pytest.raises(poptorch.UnsupportedOperationError,
+                       match=f"torch.ops.poptorch.{name} is one half of a construct .* "
+                             f"Use {use}"):
+        getattr(P, name)(*args)
+
+
+def test_ctc_beam_search_decoder_is_not_simulated():
+    probs, lengths = torch.randn(5, 2, 4).log_softmax(-1), torch.tensor([5, 5])
+    message = ("torch.ops.poptorch.ctc_beam_search_decoder \\(PopTorch's CTC beam search "
+               "decoder .*\\) is not simulated by poptorchsim")
+    with pytest.raises(poptorch.UnsupportedOperationError, match=message):
+        P.ctc_beam_search_decoder(probs, lengths, 0, 2, 1)
+    with pytest.raises(poptorch.UnsupportedOperationError, match=message):
+        _inference(lambda self, x: P.ctc_beam_search_decoder(x, lengths, 0, 2, 1)[0],
+                   probs)
+    with pytest.raises(poptorch.UnsupportedOperationError, match="torch_cluster's nearest"):
+        P.nearest(X, X, torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
