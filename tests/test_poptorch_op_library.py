@@ -3,7 +3,9 @@ what the Python API call it stands for does.  Every test writes one model
 twice, with the Python API and with the operator, and checks that both give
 the same outputs, the same IR (``getIR()`` text: names, stages, attributes,
 recomputation) and the same cycle estimate."""
+import ast
 import logging
+import pathlib
 
 import pytest
 import torch
@@ -175,7 +177,34 @@ def test_the_cnn_benchmarks_name_scope_hooks_work():
     pm = poptorch.inferenceModel(model, opts)
     torch.testing.assert_close(pm(X), expected)
     names = [op.name for op in pm.getIR().graphs["inference_forward"].ops]
-    assert "2/2/addmm" in names and "2/2/relu" in names
+    # the root's scope, then each module's (all named "2")
+    assert names == ["2/2/t", "2/2/addmm", "2/2/relu", "2/2/t_1", "2/2/addmm_1"]
+
+
+CNNS_MODELS = pathlib.Path("/work/examples/vision/cnns/pytorch/models/models.py")
+
+
+@pytest.mark.skipif(not CNNS_MODELS.exists(), reason="Graphcore's examples are not here")
+def test_the_cnn_benchmarks_own_name_scope_hook_runs():
+    """``name_scope_hook`` as Graphcore wrote it, taken from its file (the
+    module itself needs the benchmark's data pipeline to import)."""
+    tree = ast.parse(CNNS_MODELS.read_text())
+    hook = next(n for n in tree.body
+                if isinstance(n, ast.FunctionDef) and n.name == "name_scope_hook")
+    namespace = {"torch": torch}
+    exec(compile(ast.Module([hook], []), str(CNNS_MODELS), "exec"), namespace)  # noqa: S102
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 5))
+    namespace["name_scope_hook"](model)
+    x = torch.randn(2, 3, 8, 8)
+    expected = model(x)
+    pm = poptorch.inferenceModel(model, quiet_options())
+    torch.testing.assert_close(pm(x), expected)
+    names = [op.name for op in pm.getIR().graphs["inference_forward"].ops]
+    # one stack, as in PopTorch: the root's "3", the module's own push ("3", the
+    # closure's last name), then poptorchsim's module name scope; each pop
+    # closes the scope pushed last, whoever pushed it
+    assert names == ["3/3/0/convolution", "3/3/1/relu", "3/3/2/view", "3/3/3/t",
+                     "3/3/3/addmm"]
 
 
 def _attributed(use_op):

@@ -54,29 +54,49 @@ def joined_name(name):
     return f"{outer}/{name}" if outer else name
 
 
+def _name_stack():
+    """The name scopes open in the trace under way, innermost last (None
+    when nothing is traced)."""
+    state = _blocks.trace_state()
+    return None if state is None else state.setdefault("name_scopes", [])
+
+
+def _show(stack):
+    custom = fx_traceback.current_meta.setdefault("custom", {})
+    if stack:
+        custom[NAME_SCOPE] = stack[-1]
+    else:
+        custom.pop(NAME_SCOPE, None)
+
+
 def push_name_scope(name):
-    """``NameScope(name).__enter__()`` with the scope kept open until
-    ``pop_name_scope``: PopTorch's ``torch.ops.poptorch.push_name_scope``."""
-    state = _blocks.trace_state()
-    if state is None:
+    """Ops traced from now on are named ``outer/name/...``, until the
+    matching ``pop_name_scope``: PopTorch's ``torch.ops.poptorch.
+    push_name_scope``.  ``NameScope`` and the modules' own name scopes push
+    and pop on the same stack, as in PopTorch, so a pop closes the scope
+    pushed last, whoever pushed it."""
+    stack = _name_stack()
+    if stack is None:
         return
-    opened = scope(NAME_SCOPE, joined_name(name))
-    opened.__enter__()
-    state.setdefault("name_scopes", []).append(opened)
+    stack.append(joined_name(name))
+    _show(stack)
 
 
-def pop_name_scope():
-    """Closes the name scope the last ``push_name_scope`` opened."""
-    state = _blocks.trace_state()
-    if state is None:
+def pop_name_scope(strict=True):
+    """Closes the name scope pushed last.  ``strict``: refuse a pop with no
+    scope open (the modules' own hooks are not strict)."""
+    stack = _name_stack()
+    if stack is None:
         return
-    opened = state.get("name_scopes")
-    if not opened:
+    if not stack:
+        if not strict:
+            return
         raise Error("torch.ops.poptorch.pop_name_scope() was called with no name scope "
                     "open: each pop_name_scope() closes the scope of an earlier "
                     "push_name_scope(name) in the same forward(); remove the extra pop, "
                     "or use `with poptorch.NameScope(name):`.")
-    opened.pop().__exit__(None, None, None)
+    stack.pop()
+    _show(stack)
 
 
 def _set_attributes(change):
@@ -114,33 +134,20 @@ def module_name_scopes(model, enabled=True):
     """While tracing, every op a submodule of ``model`` runs is in that
     module's name scope (``layer1/0/`` for ``model.layer1[0]``, nested as
     the calls nest), as PopTorch's name-scope hook does unless
-    ``Options.disableModuleNamescope()``.  Hooks on the submodules, removed
-    on leaving; outside tracing they do nothing."""
+    ``Options.disableModuleNamescope()``: each call pushes the module's
+    name before ``forward`` and pops it after.  Hooks on the submodules,
+    removed on leaving; outside tracing they do nothing."""
     if not enabled:
         yield
         return
-    saved = []
 
     def enter(name):
         def pre_hook(module, args):  # noqa: ARG001 - torch's hook signature
-            if not _blocks.is_recording():
-                return
-            custom = fx_traceback.current_meta.setdefault("custom", {})
-            old = custom.get(NAME_SCOPE, _MISSING)
-            saved.append(old)
-            outer = None if old is _MISSING else old
-            custom[NAME_SCOPE] = f"{outer}/{name}" if outer else name
+            push_name_scope(name)
         return pre_hook
 
     def leave(module, args, output):  # noqa: ARG001 - torch's hook signature
-        if not _blocks.is_recording() or not saved:
-            return
-        old = saved.pop()
-        custom = fx_traceback.current_meta.setdefault("custom", {})
-        if old is _MISSING:
-            custom.pop(NAME_SCOPE, None)
-        else:
-            custom[NAME_SCOPE] = old
+        pop_name_scope(strict=False)
 
     handles = []
     for qualified, module in model.named_modules():
