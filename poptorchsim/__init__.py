@@ -18,6 +18,7 @@ from .annotations import (BeginBlock, Block, BlockFunction, BlockId, LegacyBegin
                           recomputationCheckpoint, removeBlocks)
 from ._api.arg_parsers import ICustomArgParser, registerCustomArgParser
 from ._api.control_flow import cond, for_loop
+from ._api.ctc import ctc_beam_search_decoder
 from .data import AsynchronousDataAccessor, DataLoader
 from .enums import *  # noqa: F401,F403 - PopTorch re-exports its enums
 from .errors import (BatchDimensionError, DataDependentError, DtypeError, Error,

@@ -15,7 +15,7 @@ from ..capture import blocks as _blocks
 from ..capture import scopes as _scopes
 from ..capture.annotations import annotate_producer
 from ..errors import Error, UnsupportedOperationError, createPoptorchError
-from . import graph_ops, overlap
+from . import ctc, graph_ops, overlap
 
 
 # -- blocks ----------------------------------------------------------------------------
@@ -189,6 +189,10 @@ def internal_cast(self, dtype):
     return self.to(CAST_TYPES[dtype])
 
 
+def ctc_beam_search_decoder(probs, lengths, blank, beam_width, top_paths):
+    return ctc.ctc_beam_search_decoder(probs, lengths, blank, beam_width, top_paths)
+
+
 def dynamic_slice(self, dim, start, size, step):
     return graph_ops.dynamic_slice(self, dim, start, size, step)
 
@@ -243,8 +247,6 @@ def plumbing(name):
 
 
 _NOT_SIMULATED = {
-    "ctc_beam_search_decoder": "PopTorch's CTC beam search decoder (PopART's "
-                               "ctcbeamsearchdecoder op)",
     "fps": "torch_cluster's farthest point sampling",
     "nearest": "torch_cluster's nearest",
     "nearest_batch_list": "torch_cluster's nearest",
@@ -273,7 +275,7 @@ HANDLERS = {
     "set_overlap_for_output": set_overlap_for_output,
     "identity_loss": identity_loss, "internal_cast": internal_cast,
     "dynamic_slice": dynamic_slice, "dynamic_update": dynamic_update,
-    "custom_operation": custom_operation,
+    "custom_operation": custom_operation, "ctc_beam_search_decoder": ctc_beam_search_decoder,
     **{name: plumbing(name) for name in _PLUMBING},
     **{name: not_simulated(name) for name in _NOT_SIMULATED},
 }
