@@ -191,4 +191,12 @@ def getLogger(name="all"):
     return Logger(name)
 
 
+def __getattr__(name):
+    raise AttributeError(
+        f"module 'popart' (poptorchsim's stand-in, poptorchsim.popart) has no attribute "
+        f"{name!r}: it holds PopART's enums that PopTorch programs pass to PopTorch "
+        "(RecomputationType, SyntheticDataMode, ...), versionString(), and the names of "
+        "PopART's graph API, which is not simulated.")
+
+
 __all__ = [n for n in list(globals()) if not n.startswith("_") and n not in ("enum", "Error")]

@@ -186,5 +186,6 @@ def test_graph_api_raises_a_typed_error(name, args):
 def test_get_logger_raises_and_unknown_names_are_attribute_errors():
     with pytest.raises(popart.PopartApiNotSimulatedError, match="popart.Logger"):
         popart.getLogger()
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match="has no attribute 'NoSuchThing': it holds "
+                                             "PopART's enums"):
         popart.NoSuchThing  # noqa: B018

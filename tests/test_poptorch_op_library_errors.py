@@ -88,3 +88,9 @@ def test_torch_cluster_operators_are_not_simulated():
                        match="torch.ops.poptorch.nearest \\(torch_cluster's nearest\\) is not "
                              "simulated by poptorchsim"):
         P.nearest(X, X, torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
+
+
+def test_impl_internal_cast_refuses_other_types_as_poptorch():
+    with pytest.raises(ValueError, match="Invalid poptorch.cast target type. Expecting "
+                                         "torch.float or torch.half"):
+        poptorch._impl.internal_cast(X, torch.int32)
