@@ -49,8 +49,16 @@ def test_bad_codes_raise():
     with pytest.raises(poptorch.Error, match="factor \\(3\\) must divide the output_channels "
                                              "dimension \\(8\\)"):
         P.set_matmul_serialization(X, "output_channels", 3, False)
+    with pytest.raises(poptorch.Error, match="serializedMatMul: the factor must be at least 1 "
+                                             "to serialize on input_channels, got 0"):
+        P.set_matmul_serialization(X, "input_channels", 0, False)
     with pytest.raises(poptorch.Error, match="set_overlap_for_input: mode 'x' is not one of"):
         P.set_overlap_for_input(X, "x")
+    with pytest.raises(poptorch.Error, match="set_overlap_for_output: mode 'x' is not one of"):
+        P.set_overlap_for_output(X, "x")
+    with pytest.raises(AssertionError, match="ipu_id must be either None or a non-negative "
+                                             "integer \\(got -1\\)"):
+        _inference(lambda self, x: (P.begin_ipu_block(0, 0, -1), self.fc1(x))[1])
     with pytest.raises(ValueError, match="Invalid partials types"):
         _inference(lambda self, x: (P.begin_multi_conv(), self.fc1(x),
                                     P.end_multi_conv(None, [5], None, None, None, None))[1])
