@@ -7,6 +7,7 @@ Arguments arrive as the operator's schema has them
 ints or strings, booleans as ints, a custom op's attributes as a string.
 """
 import json
+import logging
 
 import torch
 
@@ -27,6 +28,19 @@ def begin_ipu_block(stage_id, phase_id, ipu_id):
     that id (by default on the stage of its IPU); ``phase_id`` is PopTorch's
     phase, which poptorchsim takes from the strategy's ``Phase``s."""
     annotations.Block.start(str(stage_id), ipu_id)
+    if (stage_id != ipu_id or phase_id != 0) and (stage_id, phase_id, ipu_id) not in _NOTED \
+            and _blocks.is_recording():
+        _NOTED.add((stage_id, phase_id, ipu_id))
+        logging.getLogger("poptorchsim").warning(
+            "torch.ops.poptorch.begin_ipu_block(%d, %d, %d): poptorchsim enters block %r "
+            "on IPU %d and lets the execution strategy place it, as a BeginBlock with that "
+            "id; it does not take stage and phase ids from the call (by default a block's "
+            "stage is its IPU's). Name the stages with the strategy instead, for example "
+            "PipelinedExecution(Stage(\"0\"), Stage(\"1\"), ...).",
+            stage_id, phase_id, ipu_id, str(stage_id), ipu_id)
+
+
+_NOTED = set()        # begin_ipu_block calls whose stage or phase was noted as not taken
 
 
 def end_ipu_block():
