@@ -258,24 +258,6 @@ def test_begin_ipu_block_pipelines_as_begin_block_does():
     assert "stage 1, ipu 1" in text and "stage 0, ipu 0" in text
 
 
-def test_a_stage_other_than_the_ipu_is_noted(monkeypatch):
-    from poptorchsim._api import op_handlers
-    monkeypatch.setattr(op_handlers, "_NOTED", set())
-    records = LogRecords()
-    logger = logging.getLogger("poptorchsim")
-    logger.addHandler(records)
-    try:
-        for _ in range(2):
-            poptorch.inferenceModel(Layers(lambda self, x: (P.begin_ipu_block(2, 0, 1),
-                                                            self.fc1(x))[1]),
-                                    quiet_options().deviceIterations(2))(X)
-    finally:
-        logger.removeHandler(records)
-    notes = [m for m in records.messages if "begin_ipu_block(2, 0, 1)" in m]
-    assert len(notes) == 1
-    assert "does not take stage and phase ids from the call" in notes[0]
-
-
 def _block_scope(use_op):
     def body(self, x):
         x = self.fc1(x)

@@ -1,11 +1,14 @@
 """``torch.ops.poptorch``'s errors: arguments checked against the schema,
 unbalanced scopes, bad codes, custom operations and PopTorch's plumbing
-operators, each with its type and text."""
+operators, each with its type and text; the note a stage id other than the
+IPU's gets."""
+import logging
+
 import pytest
 import torch
 
 import poptorchsim as poptorch
-from conftest import quiet_options
+from conftest import LogRecords, quiet_options
 from test_poptorch_op_library import CUBE, Layers, X  # noqa: F401 - CUBE registers the op
 
 P = torch.ops.poptorch
@@ -102,3 +105,21 @@ def test_impl_internal_cast_refuses_other_types_as_poptorch():
     with pytest.raises(ValueError, match="Invalid poptorch.cast target type. Expecting "
                                          "torch.float or torch.half"):
         poptorch._impl.internal_cast(X, torch.int32)
+
+
+def test_a_stage_other_than_the_ipu_is_noted(monkeypatch):
+    from poptorchsim._api import op_handlers
+    monkeypatch.setattr(op_handlers, "_NOTED", set())
+    records = LogRecords()
+    logger = logging.getLogger("poptorchsim")
+    logger.addHandler(records)
+    try:
+        for _ in range(2):
+            poptorch.inferenceModel(Layers(lambda self, x: (P.begin_ipu_block(2, 0, 1),
+                                                            self.fc1(x))[1]),
+                                    quiet_options().deviceIterations(2))(X)
+    finally:
+        logger.removeHandler(records)
+    notes = [m for m in records.messages if "begin_ipu_block(2, 0, 1)" in m]
+    assert len(notes) == 1
+    assert "does not take stage and phase ids from the call" in notes[0]
