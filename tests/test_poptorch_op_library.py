@@ -122,6 +122,9 @@ def test_eager_calls_do_what_the_api_does():
                                poptorch.dynamic_slice(x, 1, start, 2, 1))
     P.identity_loss(x, 1).backward()
     torch.testing.assert_close(x.grad, torch.full_like(x, 1 / 32))
+    x.grad = None
+    (P.nop(x) * 2).sum().backward()                  # gradients flow through the ops
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
 
 
 def test_make_fx_with_fake_tensors_traces_through_the_operators():
