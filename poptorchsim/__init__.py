@@ -18,6 +18,7 @@ from .annotations import (BeginBlock, Block, BlockFunction, BlockId, LegacyBegin
                           recomputationCheckpoint, removeBlocks)
 from ._api.arg_parsers import ICustomArgParser, registerCustomArgParser
 from ._api.control_flow import cond, for_loop
+from ._api.ctc import ctc_beam_search_decoder
 from .data import AsynchronousDataAccessor, DataLoader
 from .enums import *  # noqa: F401,F403 - PopTorch re-exports its enums
 from .errors import (BatchDimensionError, DataDependentError, DtypeError, Error,
@@ -30,6 +31,7 @@ from ._api.graph_ops import (Attribute, CustomOp, MultiConv, NameScope, custom_o
                         dynamic_slice, dynamic_update, nop, register_custom_op,
                         serializedMatMul)
 from .options import ConfigFileError, Options, TensorLocationSettings
+from ._api import op_library as _op_library  # noqa: F401 - defines torch.ops.poptorch
 from ._api.printing import module_repr, print  # noqa: A004 - PopTorch's poptorch.print
 from ._api.overlap import set_overlap_for_input, set_overlap_for_output
 from .runtime.executor import PoplarExecutor

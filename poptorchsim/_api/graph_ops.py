@@ -294,21 +294,20 @@ def serializedMatMul(lhs, rhs, mode, factor=0, keep_precision=False):
 # ---------------------------------------------------------------------------
 class NameScope:
     """Ops traced inside ``with NameScope("name"):`` have their IR names
-    prefixed with ``name/`` (nested scopes join with ``/``)."""
+    prefixed with ``name/`` (nested scopes join with ``/``).  Entering
+    pushes the name on the trace's name-scope stack and leaving pops it,
+    as PopTorch's ``NameScope`` calls ``torch.ops.poptorch.push_name_scope``
+    and ``pop_name_scope``."""
 
     def __init__(self, name):
         assert isinstance(name, str), 'Parameter to NameScope must be a string'
         self.name = name
-        self._scope = None
 
     def __enter__(self):
-        outer = _scopes.current(_scopes.NAME_SCOPE)
-        self._scope = _scopes.scope(_scopes.NAME_SCOPE,
-                                    f"{outer}/{self.name}" if outer else self.name)
-        self._scope.__enter__()
+        _scopes.push_name_scope(self.name)
 
     def __exit__(self, exc_type, exc, tb):
-        self._scope.__exit__(exc_type, exc, tb)
+        _scopes.pop_name_scope()
         return False
 
 

@@ -8,9 +8,11 @@ demand; the sub-option groups (``Options.Training``, ``.Distributed``,
 (``poptorch.options.TensorLocationSettings``); nothing here imports it.
 """
 import copy
+import enum
 import os
 
 from .. import enums
+from ..runtime import popart_options
 
 FROZEN_MESSAGE = "Can't modify frozen Options"
 
@@ -330,7 +332,13 @@ class _JitOptions(_OptionsDict):
 
 
 class _PopartOptions(_OptionsDict):
-    """``Options._Popart``: backend options, stored as given."""
+    """``Options._Popart``: PopART's session options, stored as given (a
+    PopART enum member, ``popart.RecomputationType.Standard``, as its int).
+
+    The simulator reads the ones it models (``runtime/popart_options.py``'s
+    ``MODELLED``: ``autoRecomputation``, ``syntheticDataMode``,
+    ``automaticLossScalingSettings.*``, ...); setting any other logs once
+    per option name that the simulation ignores it."""
 
     def __init__(self):
         super().__init__()
@@ -340,7 +348,10 @@ class _PopartOptions(_OptionsDict):
 
     def set(self, key, value):
         self._check_not_frozen()
+        if isinstance(value, enum.IntEnum):
+            value = int(value)      # PopART's enums are ints to PopTorch
         self.options[key] = value
+        popart_options.note_unmodelled(key)
         return self
 
     def setEngineOptions(self, engine_options):

@@ -162,14 +162,21 @@ def _tensors(x, found=None):
 def recording():
     """While tracing: collect blocks in the order the model enters them, and
     follow tensors across block boundaries."""
-    _state.blocks = []
+    _state.blocks, _state.extra = [], {}
     try:
         with fx_traceback.preserve_node_meta(), _BlockCrossings():
             fx_traceback.current_meta.pop("custom", None)
             yield _state.blocks
     finally:
         fx_traceback.current_meta.pop("custom", None)
-        _state.blocks = None
+        _state.blocks = _state.extra = None
+
+
+def trace_state():
+    """A dict private to the trace under way (scopes opened by
+    ``torch.ops.poptorch`` calls and not yet closed), or None when nothing
+    is traced."""
+    return getattr(_state, "extra", None) if is_recording() else None
 
 
 def node_block(node):

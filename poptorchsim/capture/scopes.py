@@ -1,5 +1,7 @@
 """Scopes that annotate every op traced inside them: PopTorch's
-``NameScope``, ``Attribute`` and ``MultiConv``.
+``NameScope``, ``Attribute`` and ``MultiConv``, and the imperative forms
+of the first two that ``torch.ops.poptorch`` offers (``push_name_scope`` /
+``pop_name_scope``, ``set_attribute`` / ``clear_attribute``).
 
 As ``capture.blocks`` does for blocks, a scope sets a key of torch.fx's
 node-meta annotation ``node.meta["custom"]`` while the model is traced, so
@@ -13,6 +15,7 @@ import contextlib
 
 import torch.fx.traceback as fx_traceback
 
+from ..errors import Error
 from . import blocks as _blocks
 
 NAME_SCOPE = "name_scope"     # "outer/inner"
@@ -45,6 +48,81 @@ def scope(key, value):
             custom[key] = old
 
 
+def joined_name(name):
+    """``name`` inside the name scope in force: ``outer/name``."""
+    outer = current(NAME_SCOPE)
+    return f"{outer}/{name}" if outer else name
+
+
+def _name_stack():
+    """The name scopes open in the trace under way, innermost last (None
+    when nothing is traced)."""
+    state = _blocks.trace_state()
+    return None if state is None else state.setdefault("name_scopes", [])
+
+
+def _show(stack):
+    custom = fx_traceback.current_meta.setdefault("custom", {})
+    if stack:
+        custom[NAME_SCOPE] = stack[-1]
+    else:
+        custom.pop(NAME_SCOPE, None)
+
+
+def push_name_scope(name):
+    """Ops traced from now on are named ``outer/name/...``, until the
+    matching ``pop_name_scope``: PopTorch's ``torch.ops.poptorch.
+    push_name_scope``.  ``NameScope`` and the modules' own name scopes push
+    and pop on the same stack, as in PopTorch, so a pop closes the scope
+    pushed last, whoever pushed it."""
+    stack = _name_stack()
+    if stack is None:
+        return
+    stack.append(joined_name(name))
+    _show(stack)
+
+
+def pop_name_scope(strict=True):
+    """Closes the name scope pushed last.  ``strict``: refuse a pop with no
+    scope open (the modules' own hooks are not strict)."""
+    stack = _name_stack()
+    if stack is None:
+        return
+    if not stack:
+        if not strict:
+            return
+        raise Error("torch.ops.poptorch.pop_name_scope() was called with no name scope "
+                    "open: each pop_name_scope() closes the scope of an earlier "
+                    "push_name_scope(name) in the same forward(); remove the extra pop, "
+                    "or use `with poptorch.NameScope(name):`.")
+    stack.pop()
+    _show(stack)
+
+
+def _set_attributes(change):
+    if not _blocks.is_recording():
+        return
+    custom = fx_traceback.current_meta.setdefault("custom", {})
+    values = {attr: dict(kv) for attr, kv in (custom.get(ATTRIBUTES) or {}).items()}
+    change(values)
+    values = {attr: kv for attr, kv in values.items() if kv}
+    if values:
+        custom[ATTRIBUTES] = values
+    else:
+        custom.pop(ATTRIBUTES, None)
+
+
+def set_attribute(attribute, key, value):
+    """Ops traced from now on carry ``attribute[key] = value`` (PopTorch's
+    ``torch.ops.poptorch.set_attribute``, which ``Attribute`` scopes call)."""
+    _set_attributes(lambda values: values.setdefault(attribute, {}).__setitem__(key, value))
+
+
+def clear_attribute(attribute, key):
+    """Ops traced from now on no longer carry ``attribute[key]``."""
+    _set_attributes(lambda values: values.get(attribute, {}).pop(key, None))
+
+
 def node_scopes(node):
     """(name scope, attributes, multiconv group) of an fx node."""
     custom = node.meta.get("custom", {})
@@ -56,33 +134,20 @@ def module_name_scopes(model, enabled=True):
     """While tracing, every op a submodule of ``model`` runs is in that
     module's name scope (``layer1/0/`` for ``model.layer1[0]``, nested as
     the calls nest), as PopTorch's name-scope hook does unless
-    ``Options.disableModuleNamescope()``.  Hooks on the submodules, removed
-    on leaving; outside tracing they do nothing."""
+    ``Options.disableModuleNamescope()``: each call pushes the module's
+    name before ``forward`` and pops it after.  Hooks on the submodules,
+    removed on leaving; outside tracing they do nothing."""
     if not enabled:
         yield
         return
-    saved = []
 
     def enter(name):
         def pre_hook(module, args):  # noqa: ARG001 - torch's hook signature
-            if not _blocks.is_recording():
-                return
-            custom = fx_traceback.current_meta.setdefault("custom", {})
-            old = custom.get(NAME_SCOPE, _MISSING)
-            saved.append(old)
-            outer = None if old is _MISSING else old
-            custom[NAME_SCOPE] = f"{outer}/{name}" if outer else name
+            push_name_scope(name)
         return pre_hook
 
     def leave(module, args, output):  # noqa: ARG001 - torch's hook signature
-        if not _blocks.is_recording() or not saved:
-            return
-        old = saved.pop()
-        custom = fx_traceback.current_meta.setdefault("custom", {})
-        if old is _MISSING:
-            custom.pop(NAME_SCOPE, None)
-        else:
-            custom[NAME_SCOPE] = old
+        pop_name_scope(strict=False)
 
     handles = []
     for qualified, module in model.named_modules():

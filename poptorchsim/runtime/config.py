@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from .. import enums
 from ..machine.targets import default_target
 from .engine_options import allow_out_of_memory
-from .popart_options import recomputation_type
+from .popart_options import recomputation_type, synthetic_data_mode
 from .precision import auto_loss_scaling, settings as precision_settings
 
 
@@ -83,7 +83,7 @@ class CompileConfig:
             processes=o.Distributed.numProcesses,
             target=default_target(getattr(o, "ipu_model_version", None)),
             amp=_proportions(o), allow_oom=allow_out_of_memory(o),
-            synthetic=bool(getattr(o, "synthetic_data", False)),
+            synthetic=bool(getattr(o, "synthetic_data", False)) or synthetic_data_mode(o),
             placement=_placement_spec(getattr(o, "execution_strategy", None)),
             auto_round=bool(o.auto_round_num_ipus), locations=o.TensorLocations.settings(),
             io_tiles=o.TensorLocations.num_io_tiles, precision=precision_settings(o),
