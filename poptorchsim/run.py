@@ -6,7 +6,9 @@ The shape of Graphcore's ``poprun``::
 
 (``python -m poptorchsim.run train.py --epochs 1``, with no launcher
 option, runs the script in this process, as ``python train.py`` would,
-with its imports aliased as below and no popdist environment) starts 2
+with its imports aliased as below and no popdist environment;
+``python -m poptorchsim.run -m pytest tests/x.py`` runs a module the same
+way, as ``python -m pytest tests/x.py`` would) starts 2
 processes through torch.distributed's launcher (a gloo process
 group on this machine), each with 4 / 2 = 2 local replicas.  Each process
 sees ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE`` (read by
@@ -29,7 +31,8 @@ def parse(argv):
     p = argparse.ArgumentParser(
         prog="python -m poptorchsim.run",
         usage="%(prog)s [--num-instances P] [--num-replicas R] [--ipus-per-replica N] "
-              "[--master-port PORT] [--] script.py [args ...]",
+              "[--master-port PORT] [--] script.py [args ...]\n"
+              "       %(prog)s -m module [args ...]",
         description="Run a PopTorch program as several processes sharing its replicas "
                     "(the shape of poprun).")
     p.add_argument("--num-instances", type=int, default=None, metavar="P",
@@ -47,9 +50,18 @@ def parse(argv):
                         "(default: a free one)")
     p.add_argument("script", help="the Python program to run; the words after it are "
                                   "its arguments, passed on unchanged")
+    p.add_argument("-m", dest="module", action="store_true",
+                   help="run the library module SCRIPT as a script (python -m module), "
+                        "in this process, e.g. -m pytest tests/")
     options, rest = _split(argv)
     args = p.parse_args(options + rest[:1])
     args.args = rest[1:]
+    if args.module:
+        if options != ["-m"]:
+            p.error("-m runs a module in this process: it takes no launcher option "
+                    f"(got {' '.join(o for o in options if o != '-m')})")
+        args.here = True
+        return args
     args.here = args.num_instances is None and args.num_replicas is None \
         and args.ipus_per_replica is None and args.master_port is None
     if args.num_instances is None:
@@ -78,7 +90,7 @@ def _split(argv):
     just before it is dropped, and everything after it is the script's."""
     i = 0
     while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
-        i += 1 if "=" in argv[i] or argv[i] in ("-h", "--help") else 2
+        i += 1 if "=" in argv[i] or argv[i] in ("-h", "--help", "-m") else 2
     i = min(i, len(argv))
     rest = argv[i:]
     if rest[:1] == ["--"]:
@@ -90,7 +102,7 @@ def main(argv=None):
     args = parse(sys.argv[1:] if argv is None else list(argv))
     if args.here:       # no launch: this process runs the script, its imports aliased
         from .distributed._worker import run_here
-        return run_here(args.script, args.args)
+        return run_here(args.script, args.args, module=args.module)
     from .distributed.launch import launch
     return launch(args.script, args.args, args.num_instances, args.num_replicas,
                   master_port=args.master_port, ipus_per_replica=args.ipus_per_replica)

@@ -91,19 +91,29 @@ def main(argv=None):
     record(runpy.run_path)(script, run_name="__main__")
 
 
-def run_here(script, args):
-    """``script args`` in this process, as ``python script args`` runs it,
-    with ``import poptorch``, ``import popdist`` (and ``import popart``)
-    answered by poptorchsim, here and in the processes it starts; outside
-    any launch (popdist answers as one instance).  Returns 0; the script's
-    exceptions propagate."""
+def run_here(script, args, module=False):
+    """``script args`` in this process, as ``python script args`` runs it
+    (with ``module``, ``script`` is a module run as ``python -m script
+    args``), with ``import poptorch``, ``import popdist`` (and ``import
+    popart``) answered by poptorchsim, here and in the processes it starts;
+    outside any launch (popdist answers as one instance).  Returns the
+    exit status the script gives ``SystemExit`` (0 when it ends without
+    one, as pytest's ``main`` does not); other exceptions propagate."""
     sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    sys.path.insert(0, os.getcwd() if module else os.path.dirname(os.path.abspath(script)))
     installed = aliases.install()
     installed.export(_alias_directory(installed.aliased))
     for note in installed.notes():
         print(note, file=sys.stderr)
-    runpy.run_path(script, run_name="__main__")
+    try:
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        raise
     return 0
 
 
