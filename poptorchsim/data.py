@@ -11,6 +11,7 @@ join them into combined batches.
 """
 import atexit
 import logging
+import warnings
 import weakref
 
 import torch
@@ -171,6 +172,25 @@ def _check_mode(mode, async_options, rebatched_worker_size):
     return mode
 
 
+def _sharing_strategy(value):
+    """PopTorch compares ``sharing_strategy`` with the enum's members and
+    spawns with shared memory when none is equal: a member's name as a
+    string (a YAML config's ``sharing_strategy: "SharedMemory"``, as
+    Graphcore's Conformer passes it) runs as ``SharedMemory``.  Any other
+    value is refused, naming the members."""
+    if isinstance(value, SharingStrategy):
+        return value
+    if isinstance(value, str) and value in SharingStrategy.__members__:
+        if value != "SharedMemory":
+            warnings.warn(f"sharing_strategy={value!r} is a string: PopTorch compares it with "
+                          f"poptorch.SharingStrategy's members, none is equal, so it runs as "
+                          f"SharedMemory. Pass poptorch.SharingStrategy.{value} for {value}.",
+                          stacklevel=3)
+        return SharingStrategy.SharedMemory
+    raise Error(f"sharing_strategy must be a poptorch.SharingStrategy (one of "
+                f"{', '.join(SharingStrategy.__members__)}), got {value!r}")
+
+
 class AsynchronousDataAccessor:
     """Loads ``dataset``'s items in a worker process, up to ``buffer_size``
     ahead of the consumer (PopTorch's ``poptorch.AsynchronousDataAccessor``).
@@ -201,9 +221,7 @@ class AsynchronousDataAccessor:
             assert rebatched_size > 1, "rebatched_size must be None or greater than 1"
         if not isinstance(buffer_size, int) or buffer_size < 1:
             raise Error(f"buffer_size must be a positive integer, got {buffer_size!r}")
-        if not isinstance(sharing_strategy, SharingStrategy):
-            raise Error(f"sharing_strategy must be a poptorch.SharingStrategy, got "
-                        f"{sharing_strategy!r}")
+        sharing_strategy = _sharing_strategy(sharing_strategy)
         self._dataset = dataset
         self.rebatched_size = rebatched_size
         self._epoch, self._started, self._used, self._eof = 0, False, False, False

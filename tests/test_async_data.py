@@ -225,3 +225,24 @@ def test_argument_errors():
                                              "AsynchronousDataAccessor internally"):
         poptorch.AsynchronousDataAccessor(loader)
     loader.terminate()
+
+
+def test_a_sharing_strategy_named_by_a_string_runs_as_poptorch_runs_it():
+    """Graphcore's Conformer reads ``sharing_strategy: "SharedMemory"`` from
+    YAML into ``async_options``: PopTorch runs any string as SharedMemory
+    (it compares the value with the enum's members), so a member's name is
+    accepted; another member's name warns that it runs as SharedMemory; an
+    unknown string names the members."""
+    from poptorchsim.data import _sharing_strategy
+    assert _sharing_strategy("SharedMemory") is poptorch.SharingStrategy.SharedMemory
+    with pytest.warns(UserWarning, match="runs as SharedMemory"):
+        assert _sharing_strategy("Fork") is poptorch.SharingStrategy.SharedMemory
+    with pytest.raises(poptorch.Error, match="one of SharedMemory, FileSystem, Fork"):
+        _sharing_strategy("shared")
+    loader = poptorch.DataLoader(quiet_options(), dataset(8), batch_size=2, mode=ASYNC,
+                                 async_options={"sharing_strategy": "SharedMemory",
+                                                "early_preload": True, "buffer_size": 3})
+    try:
+        assert_same(batches(loader), batches(torch.utils.data.DataLoader(dataset(8), batch_size=2)))
+    finally:
+        loader.terminate()
