@@ -130,6 +130,12 @@ def steps_seen(pattern):
     return check
 
 
+# one match per training step in each program's own output
+CONFORMER_STEP = r"Epochs: \d+/\d+, step: \d+/"                # src/trainer.py, every step
+FASTPITCH_STEP = r"(?m)^step:\s+\d+$|\bstep \d+ num_frame"      # train.py: 4 of 5, the 5th
+TQDM_STEP = r"\|\s*[1-9]\d*/\d+ \["                               # cnns train.py's progress bar
+
+
 @dataclass
 class App:
     name: str
@@ -158,7 +164,7 @@ APPS = [
         ["main.py", "train", "--train_dataset.use_generated_data", "true", "--trainer.num_epochs", "1",
          "--ipu_options.gradient_accumulation", "1", "--train_iterator.batch_size", "1",
          "--train_iterator.num_workers", "1"],
-        steps_seen(r"(?i)step[: ]"), default_steps=2, stop_after=r"(?i)step[: ]",
+        steps_seen(CONFORMER_STEP), default_steps=2, stop_after=CONFORMER_STEP,
         known="its encoder and decoder layers call the RemapCE custom op, loaded from "
               "./custom_ops.so, a C++ PopART op built against Poplar's headers"),
     pytest_app("fastpitch-layers", "speech/fastpitch/pytorch", "tests/test_layers.py", 3),
@@ -167,13 +173,13 @@ APPS = [
          "--batch-size", "2", "--dur-predictor-loss-scale", "0.1", "--pitch-predictor-loss-scale",
          "0.1", "--gradient-accumulation", "2", "--replication-factor", "1",
          "--num-dataloader-workers", "2", "--generated-data"],
-        steps_seen(r"step[: ]"), default_steps=3, stop_after=r"step[: ]", timeout=1200),
+        steps_seen(FASTPITCH_STEP), default_steps=3, stop_after=FASTPITCH_STEP, timeout=1200),
     App("cnns-train-resnet18", "vision/cnns/pytorch",
         ["train/train.py", "--data", "synthetic", "--model", "resnet18", "--epoch", "1", "--precision",
          "16.16", "--validation-mode", "none", "--optimizer", "sgd_combined", "--lr", "0.001",
          "--gradient-accumulation", "64", "--micro-batch-size", "1", "--dataloader-worker", "4",
          "--seed", "0"],
-        steps_seen(r"\|\s*([1-9]\d*)/\d+ \["), default_steps=2, stop_after=r"\|\s*([1-9]\d*)/\d+ \[",
+        steps_seen(TQDM_STEP), default_steps=2, stop_after=TQDM_STEP,
         timeout=1500),
     App("cnns-inference-pipelined", "vision/cnns/pytorch",
         ["inference/run_benchmark.py", "--data", "synthetic", "--micro-batch-size", "2", "--model",
@@ -186,6 +192,14 @@ APPS = [
          "--replication-factor", "2", "--iterations", "2", "--dataset", "generated",
          "--dataloader-workers", "2"],
         vit_pretrain, steps_flag="--training-steps", default_steps=5, timeout=3600),
+    # the same program and config at 8 images a step (the test's takes 128: about 13
+    # minutes a step on 2 cores), so that it runs in minutes
+    App("vit-pretrain-small", "vision/vit/pytorch",
+        ["pretrain.py", "--micro-batch-size", "1", "--config", "b16_in1k_pretrain",
+         "--gradient-accumulation", "8", "--training-steps", "2", "--epochs", "0",
+         "--replication-factor", "1", "--iterations", "2", "--dataset", "generated",
+         "--dataloader-workers", "2", "--rebatched-worker-size", "8"],
+        vit_pretrain, steps_flag="--training-steps", default_steps=2, timeout=1200),
     App("bert-tiny", "nlp/bert/pytorch",
         ["run_pretraining.py", "--config", "demo_tiny_128", "--training-steps", "360",
          "--custom-ops", "false", "--disable-progress-bar", "true"],
