@@ -225,9 +225,59 @@ def _chunk_products(a32, b32):
         yield from block.unbind(-3)
 
 
+SLICE_CHUNKS = 16      # chunks one tile accumulates in order (a slice of 256 products)
+
+
+def _slice_partials(a32, b32, slices):
+    """The fp16 partial sums of ``slices`` slices of the reduction (each
+    ``SLICE_CHUNKS`` chunks, zero-padded), in order along the reduction:
+    the running fp16 sum of each slice, computed for as many slices at once
+    as keep the products under ``_PRODUCTS_LIMIT`` values."""
+    width = SLICE_CHUNKS * PARTIALS_CHUNK
+    pad = slices * width - a32.shape[-1]
+    a32 = torch.nn.functional.pad(a32, (0, pad))
+    b32 = torch.nn.functional.pad(b32, (0, 0, 0, pad))
+    a5 = a32.unflatten(-1, (slices, SLICE_CHUNKS, PARTIALS_CHUNK)).movedim(-3, -4)
+    b5 = b32.unflatten(-2, (slices, SLICE_CHUNKS, PARTIALS_CHUNK))    # [..., s, c, 16, N]
+    m, cols = a32.shape[-2], b32.shape[-1]                             # a5: [..., s, M, c, 16]
+    lead = torch.broadcast_shapes(a32.shape[:-2], b32.shape[:-2])
+    per = max(1, _PRODUCTS_LIMIT // max(1, m * cols * math.prod(lead)))
+    for start in range(0, slices, per):
+        part = slice(start, start + per)
+        yield _accumulate_half(torch.matmul(a5[..., part, :, c, :], b5[..., part, c, :, :])
+                               for c in range(SLICE_CHUNKS))             # [..., g, M, N]
+
+
+def _tree_sum_half(partials):
+    """fp16 partial sums (an iterator of [..., g, M, N] groups, in order)
+    added pairwise, each sum rounded to fp16: a balanced binary tree over
+    the slices, built as they come (two sums of the same height are added
+    at once), the few left at the end added from the last."""
+    stack = []                      # (height, fp16 partial sum)
+    for group in partials:
+        for p in group.unbind(-3):
+            height = 0
+            while stack and stack[-1][0] == height:
+                p = stack.pop()[1] + p      # fp16 + fp16: the fp32 sum rounded once
+                height += 1
+            stack.append((height, p))
+    acc = stack.pop()[1]
+    while stack:
+        acc = stack.pop()[1] + acc
+    return acc
+
+
 def half_partials_mm(a, b):
-    """``a @ b`` (fp16, 2-D or batched) with fp16 partial sums."""
-    return _accumulate_half(_chunk_products(a.float(), b.float()))
+    """``a @ b`` (fp16, 2-D or batched) with fp16 partial sums: a reduction
+    of at most ``SLICE_CHUNKS`` chunks as one running sum; a longer one cut
+    into slices of that many chunks (one tile's share of a reduction spread
+    over tiles), each slice's running sum in fp16, the slices' sums added
+    pairwise in fp16 (the cross-tile reduction)."""
+    a32, b32 = a.float(), b.float()
+    chunks = -(-a.shape[-1] // PARTIALS_CHUNK)
+    if chunks <= SLICE_CHUNKS:
+        return _accumulate_half(_chunk_products(a32, b32))
+    return _tree_sum_half(_slice_partials(a32, b32, -(-chunks // SLICE_CHUNKS)))
 
 
 def _mm(a, b):
