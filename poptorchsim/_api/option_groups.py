@@ -75,6 +75,25 @@ class _OptionsDict:
         self._check_not_frozen()
         self._values.pop(key, None)
 
+    def checkIsFrozen(self, option=None):
+        """Raises ``AttributeError`` if these options are frozen (PopTorch's
+        check before every change; ``option``: the attribute about to be set,
+        which PopTorch lets through when it is ``_is_frozen``)."""
+        if option != "_is_frozen":
+            self._check_not_frozen()
+
+    def update(self, other):
+        """Merges these values into the dict ``other`` and returns it;
+        ``AssertionError`` if they share a key (PopTorch's backend merge)."""
+        assert not set(self._values).intersection(other), (
+            "Can't merge dictionaries, they have some keys in common")
+        other.update(self._values)
+        return other
+
+    def __call__(self, option):
+        """``opts("device_iterations")``: the value of an option, by name."""
+        return getattr(self, option)
+
     def toDict(self):
         out = dict(self._values)
         for name, child in vars(self).items():
@@ -153,6 +172,16 @@ class _TrainingOptions(_OptionsDict):
     def setAutomaticLossScaling(self, enabled):
         self.set(auto_loss_scaling=bool(enabled))
         return self
+
+    def setConvolutionDithering(self, enabled):
+        """Lays convolutions with different parameters out from different
+        tiles, for tile balance.  Recorded (``convolution_dithering``): the
+        simulated tile mapping does not model dithering; ``MultiConv``'s
+        ``enableConvDithering`` is the per-convolution form."""
+        if not isinstance(enabled, bool):
+            raise AssertionError(f"Unexpected type {type(enabled)} for option "
+                                 "convolution_dithering. Expected <class 'bool'>")
+        return self.createOrSet(convolution_dithering=enabled)
 
 
 class _DistributedOptions(_OptionsDict):
@@ -330,7 +359,8 @@ class _JitOptions(_OptionsDict):
 
 
 class _PopartOptions(_OptionsDict):
-    """``Options._Popart``: backend options, stored as given."""
+    """``Options._Popart``: backend options, stored as given.  Its values
+    live in ``options`` (PopTorch's layout), not in ``_values``."""
 
     def __init__(self):
         super().__init__()
@@ -349,6 +379,9 @@ class _PopartOptions(_OptionsDict):
     def setPatterns(self, patterns, level=2):
         self.set("patterns", dict(patterns))
         return self.set("patternsLevel", level)
+
+    def toDict(self):
+        return dict(self.options)
 
     def __repr__(self):
         body = ", ".join(f"{k}={v!r}" for k, v in self.options.items())

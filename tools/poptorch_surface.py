@@ -1,0 +1,228 @@
+"""Writes ``tests/data/poptorch_surface.json``: PopTorch's Python surface,
+name by name, read from PopTorch's own sources with ``ast``.
+
+    python tools/poptorch_surface.py [--mirror PATH] [--commit REV] [--out FILE]
+
+The sources are read from a bare git mirror of graphcore/poptorch
+(``git show REV:python/<module>.py``); nothing is imported.  The JSON holds:
+
+* ``modules``: the public names of ``poptorch`` and of its public submodules
+  (``poptorch.optim``, ``poptorch.enums``, ``poptorch.options``, ...);
+* ``classes``: for each class applications touch (``Options`` and its
+  sub-option groups, ``DataLoader``, ``AsynchronousDataAccessor``,
+  ``PoplarExecutor``, the ``poptorch.optim`` classes, ...) its public
+  methods, properties and instance attributes, with those inherited from
+  PopTorch's own base classes, plus the semi-public names in ``SEMI_PUBLIC``
+  (private by spelling, read by Graphcore's applications).
+
+``tests/test_api_surface.py`` checks poptorchsim against this file.
+"""
+import argparse
+import ast
+import json
+import os
+import subprocess
+import sys
+
+DEFAULT_MIRROR = "/work/.mirror/graphcore+poptorch/repo"
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join(HERE, os.pardir, "tests", "data", "poptorch_surface.json")
+
+# poptorch's ``__init__.py`` star-imports these modules (no ``__all__``):
+# their public top-level definitions become ``poptorch.<name>``.
+STAR_MODULES = ["enums", "ops", "options", "_printing"]
+# Public submodules an application reaches as ``poptorch.<module>.<name>``.
+SUBMODULES = ["optim", "enums", "options", "profiling"]
+
+# (module, class name) -> the key the JSON uses for it.
+CLASSES = {
+    ("options", "Options"): "Options",
+    ("options", "_TrainingOptions"): "Options.Training",
+    ("options", "_DistributedOptions"): "Options.Distributed",
+    ("options", "_PrecisionOptions"): "Options.Precision",
+    ("options", "_TensorLocationOptions"): "Options.TensorLocations",
+    ("options", "_JitOptions"): "Options.Jit",
+    ("options", "_PopartOptions"): "Options._Popart",
+    ("options", "TensorLocationSettings"): "TensorLocationSettings",
+    ("options", "PipelinedExecution"): "PipelinedExecution",
+    ("options", "ShardedExecution"): "ShardedExecution",
+    ("options", "SerialPhasedExecution"): "SerialPhasedExecution",
+    ("options", "ParallelPhasedExecution"): "ParallelPhasedExecution",
+    ("options", "Stage"): "Stage",
+    ("options", "Phase"): "Phase",
+    ("__init__", "DataLoader"): "DataLoader",
+    ("__init__", "AsynchronousDataAccessor"): "AsynchronousDataAccessor",
+    ("_poplar_executor", "PoplarExecutor"): "PoplarExecutor",
+    ("optim", "VariableAttributes"): "optim.VariableAttributes",
+    ("optim", "SGD"): "optim.SGD",
+    ("optim", "Adam"): "optim.Adam",
+    ("optim", "AdamW"): "optim.AdamW",
+    ("optim", "RMSprop"): "optim.RMSprop",
+    ("optim", "LAMB"): "optim.LAMB",
+    ("ops", "Block"): "Block",
+    ("ops", "MultiConv"): "MultiConv",
+    ("ops", "CPU"): "CPU",
+}
+# PopTorch base classes, so inherited methods are listed with each class.
+BASES = {
+    "_options_impl.OptionsDict": ("_options_impl", "OptionsDict"),
+    "_options_impl.IStageManager": ("_options_impl", "IStageManager"),
+    "Optimizer": ("optim", "Optimizer"),
+    "_IExecutionStrategy": ("options", "_IExecutionStrategy"),
+    "_IPhasedExecution": ("options", "_IPhasedExecution"),
+    "PipelinedExecution": ("options", "PipelinedExecution"),
+}
+# Private by spelling, read by Graphcore's applications (grep of
+# graphcore/examples): speech/fastpitch and speech/conformer read
+# ``loader._combined_batch_size``.
+SEMI_PUBLIC = {
+    "DataLoader": ["_combined_batch_size"],
+    "Options": ["_Popart"],
+}
+
+
+def read_source(mirror, commit, module):
+    return subprocess.run(
+        ["git", "-C", mirror, "show", f"{commit}:python/{module}.py"],
+        check=True, capture_output=True, text=True).stdout
+
+
+def _public(name):
+    return not name.startswith("_")
+
+
+def top_level_names(tree):
+    """Names a module defines itself (classes, functions, assignments)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    names.add(target.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {n for n in names if _public(n)}
+
+
+def init_names(tree, star_names):
+    """``poptorch.<name>``: ``__init__.py``'s own definitions, the names it
+    imports by name from its own modules, and its star imports."""
+    names = top_level_names(tree)
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(
+                "poptorch")):
+            for alias in node.names:
+                if alias.name == "*":
+                    module = (node.module or "").split(".")[-1]
+                    names |= star_names.get(module, set())
+                elif _public(alias.asname or alias.name):
+                    names.add(alias.asname or alias.name)
+    return names
+
+
+def _decorator_names(func):
+    out = set()
+    for dec in func.decorator_list:
+        if isinstance(dec, ast.Name):
+            out.add(dec.id)
+        elif isinstance(dec, ast.Attribute):
+            out.add(dec.attr)
+    return out
+
+
+def class_members(cls):
+    """{name: kind} for a class body: methods, properties, class attributes
+    and ``self.<name> = ...`` instance attributes."""
+    members = {}
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef):
+            decorators = _decorator_names(node)
+            if "setter" in decorators:
+                continue
+            kind = "property" if "property" in decorators else "method"
+            members[node.name] = kind
+            for sub in ast.walk(node):
+                targets = []
+                if isinstance(sub, ast.Assign):
+                    targets = sub.targets
+                elif isinstance(sub, (ast.AnnAssign, ast.AugAssign)):
+                    targets = [sub.target]
+                for target in targets:
+                    if isinstance(target, ast.Attribute) and isinstance(
+                            target.value, ast.Name) and target.value.id == "self":
+                        members.setdefault(target.attr, "attribute")
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    members[target.id] = "classattr"
+    return members
+
+
+def _base_name(expr):
+    if isinstance(expr, ast.Name):
+        return expr.id
+    if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name):
+        return f"{expr.value.id}.{expr.attr}"
+    return None
+
+
+def find_class(trees, module, name):
+    for node in trees[module].body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    raise KeyError(f"{module}.{name}")
+
+
+def all_members(trees, module, name):
+    cls = find_class(trees, module, name)
+    members = {}
+    for base in cls.bases:
+        key = _base_name(base)
+        if key in BASES:
+            members.update(all_members(trees, *BASES[key]))
+    members.update(class_members(cls))
+    return members
+
+
+def build(mirror, commit):
+    modules = ["__init__", "enums", "ops", "options", "optim", "_printing",
+               "_poplar_executor", "_options_impl", "profiling"]
+    trees = {m: ast.parse(read_source(mirror, commit, m)) for m in modules}
+    star = {m: top_level_names(trees[m]) for m in STAR_MODULES}
+    surface = {"poptorch": sorted(init_names(trees["__init__"], star))}
+    for module in SUBMODULES:
+        surface[f"poptorch.{module}"] = sorted(top_level_names(trees[module]))
+    classes = {}
+    for (module, name), key in CLASSES.items():
+        members = all_members(trees, module, name)
+        keep = {n: k for n, k in members.items()
+                if _public(n) or n in SEMI_PUBLIC.get(key, [])}
+        for n in SEMI_PUBLIC.get(key, []):
+            keep.setdefault(n, "attribute")
+        classes[key] = dict(sorted(keep.items()))
+    head = subprocess.run(["git", "-C", mirror, "rev-parse", commit], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    return {"source": f"graphcore/poptorch@{head} python/",
+            "generated_by": "tools/poptorch_surface.py",
+            "modules": surface, "classes": classes}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mirror", default=DEFAULT_MIRROR)
+    parser.add_argument("--commit", default="HEAD")
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    data = build(args.mirror, args.commit)
+    with open(args.out, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=False)
+        f.write("\n")
+    count = sum(len(v) for v in data["modules"].values()) + sum(
+        len(v) for v in data["classes"].values())
+    print(f"wrote {os.path.normpath(args.out)}: {count} names", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
