@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 DEFAULT_MIRROR = "/work/.mirror/graphcore+poptorch/repo"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -72,12 +73,17 @@ BASES = {
     "_IPhasedExecution": ("options", "_IPhasedExecution"),
     "PipelinedExecution": ("options", "PipelinedExecution"),
 }
-# Private by spelling, read by Graphcore's applications (grep of
-# graphcore/examples): speech/fastpitch and speech/conformer read
-# ``loader._combined_batch_size``.
+DEFAULT_EXAMPLES = "/work/.mirror/graphcore+examples/repo"
+# Private by spelling, read by Graphcore's applications: found by
+# ``app_private_names`` in a mirror of graphcore/examples (a member of a
+# class here whose name starts with one underscore, read as ``obj._name``
+# with ``obj`` not ``self``); these are kept when no mirror is given.
+# speech/fastpitch and speech/conformer read ``loader._combined_batch_size``,
+# vision/cnns ``inference_model._executable``, yolo_v4 ``model._optimizer``.
 SEMI_PUBLIC = {
     "DataLoader": ["_combined_batch_size"],
     "Options": ["_Popart"],
+    "PoplarExecutor": ["_executable", "_optimizer"],
 }
 
 
@@ -186,7 +192,31 @@ def all_members(trees, module, name):
     return members
 
 
-def build(mirror, commit):
+def app_private_names(examples, commit="HEAD"):
+    """``{name: [files]}``: ``obj._name`` reads (``obj`` not ``self``/``cls``)
+    in the Python files of graphcore/examples that mention poptorch."""
+    files = subprocess.run(["git", "-C", examples, "grep", "-l", "poptorch", commit, "--",
+                            "*.py"], capture_output=True, text=True).stdout.split()
+    found = {}
+    for entry in files:
+        path = entry.split(":", 1)[1]
+        source = subprocess.run(["git", "-C", examples, "show", entry],
+                                capture_output=True, text=True).stdout
+        try:
+            with warnings.catch_warnings():     # old files' invalid escapes
+                warnings.simplefilter("ignore")
+                tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                    and not node.attr.startswith("__") and not (
+                        isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.setdefault(node.attr, set()).add(path)
+    return {name: sorted(paths) for name, paths in found.items()}
+
+
+def build(mirror, commit, examples=None):
     modules = ["__init__", "enums", "ops", "options", "optim", "_printing",
                "_poplar_executor", "_options_impl", "profiling"]
     trees = {m: ast.parse(read_source(mirror, commit, m)) for m in modules}
@@ -194,28 +224,37 @@ def build(mirror, commit):
     surface = {"poptorch": sorted(init_names(trees["__init__"], star))}
     for module in SUBMODULES:
         surface[f"poptorch.{module}"] = sorted(top_level_names(trees[module]))
-    classes = {}
+    used = app_private_names(examples) if examples else {}
+    classes, semi_public = {}, {}
     for (module, name), key in CLASSES.items():
         members = all_members(trees, module, name)
-        keep = {n: k for n, k in members.items()
-                if _public(n) or n in SEMI_PUBLIC.get(key, [])}
-        for n in SEMI_PUBLIC.get(key, []):
+        private = sorted(n for n in members if n in used and not n.startswith("__"))
+        semi = sorted(set(SEMI_PUBLIC.get(key, [])) | set(private))
+        keep = {n: k for n, k in members.items() if _public(n) or n in semi}
+        for n in semi:
             keep.setdefault(n, "attribute")
+        if semi:
+            semi_public[key] = {n: used.get(n, ["(SEMI_PUBLIC)"])[:3] for n in semi}
         classes[key] = dict(sorted(keep.items()))
     head = subprocess.run(["git", "-C", mirror, "rev-parse", commit], check=True,
                           capture_output=True, text=True).stdout.strip()
     return {"source": f"graphcore/poptorch@{head} python/",
             "generated_by": "tools/poptorch_surface.py",
-            "modules": surface, "classes": classes}
+            "modules": surface, "classes": classes,
+            "semi_public_used_by": semi_public}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mirror", default=DEFAULT_MIRROR)
     parser.add_argument("--commit", default="HEAD")
+    parser.add_argument("--examples", default=DEFAULT_EXAMPLES,
+                        help="mirror of graphcore/examples, for the private names "
+                             "applications read ('' to skip)")
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    data = build(args.mirror, args.commit)
+    examples = args.examples if args.examples and os.path.isdir(args.examples) else None
+    data = build(args.mirror, args.commit, examples)
     with open(args.out, "w") as f:
         json.dump(data, f, indent=1, sort_keys=False)
         f.write("\n")

@@ -1,5 +1,7 @@
 """``PoplarExecutor``'s random-number state and lazy weight copies, as
-PopTorch names them (``rng_state``, ``copyWeightsToHostIfNeeded``).
+PopTorch names them (``rng_state``, ``copyWeightsToHostIfNeeded``), and
+``_executable``, which applications test to see whether a model is compiled
+(vision/cnns: ``if inference_model._executable: attachToDevice()``).
 
 The simulated device draws its random numbers (dropout, ``torch.rand`` in
 ``forward``) from PyTorch's CPU generator, so its state is that generator's:
@@ -13,7 +15,14 @@ from ..errors import Error
 
 
 class _HostCopies:
-    """Needs ``_require_compiled`` and ``_options`` from the executor."""
+    """Needs ``_require_compiled``, ``_compiled`` and ``_options`` from the
+    executor."""
+
+    @property
+    def _executable(self):
+        """The compiled program, or None before compilation and after
+        ``destroy()`` (PopTorch's handle on its Poplar executable)."""
+        return vars(self).get("_compiled")
 
     @property
     def rng_state(self):

@@ -1,0 +1,227 @@
+"""PopTorch's Python surface, name by name, against poptorchsim's.
+
+``tests/data/poptorch_surface.json`` lists every public name of the
+``poptorch`` module and its public submodules, and every public method,
+property and attribute of the classes applications touch (``Options`` and
+its option groups, ``DataLoader``, ``AsynchronousDataAccessor``,
+``PoplarExecutor``, the ``poptorch.optim`` classes, ...), plus the private
+names Graphcore's applications read.  ``tools/poptorch_surface.py`` wrote it
+from PopTorch's sources with ``ast``; where the PopTorch mirror exists,
+``test_data_file_matches_poptorch_sources`` checks it is still what the tool
+writes.
+
+Each name must exist in poptorchsim unless ``ABSENT`` gives the reason it
+does not; an ``ABSENT`` entry for a name poptorchsim has fails too, so the
+list says exactly what is missing.  ``docs/api_surface.md`` is written from
+the same two lists.
+"""
+import importlib
+import json
+import os
+import pathlib
+import sys
+
+import pytest
+import torch
+
+import poptorchsim
+
+DATA = pathlib.Path(__file__).parent / "data" / "poptorch_surface.json"
+SURFACE = json.loads(DATA.read_text())
+MIRROR = "/work/.mirror/graphcore+poptorch/repo"
+
+_NO_GEOMETRIC = ("PopTorch Geometric (poptorch_geometric) is not simulated; its "
+                 "ops need its C++ kernels")
+_BACKEND = "an internal of PopTorch's C++ backend"
+
+# "<module or class key>.<name>": why poptorchsim does not have it.
+ABSENT = {
+    # -- poptorch.<name> --------------------------------------------------------------
+    "poptorch.accessAttributes": (
+        f"{_BACKEND}: it reads a custom op's attributes by memory address (ctypes) for "
+        "the C++ side; poptorchsim hands custom-op attributes over as Python objects"),
+    "poptorch.attributes_lists": (
+        f"{_BACKEND}: the list that keeps custom-op attribute dicts alive for "
+        "accessAttributes"),
+    "poptorch.ctc_beam_search_decoder": (
+        "a PopART op (CTC beam search) not used by Graphcore's applications; not simulated"),
+    "poptorch.fps": _NO_GEOMETRIC,
+    "poptorch.nearest": _NO_GEOMETRIC,
+    "poptorch.registerGeometricCustomArgParsers": _NO_GEOMETRIC,
+    "poptorch.getIpuTensorId": (
+        "needs IPU tensors (PopTorch's device='ipu' dispatcher); the simulator keeps "
+        "tensors on the CPU and names them by getTensorNames()"),
+    "poptorch.importPoptorchMetadataFromFile": (
+        f"{_BACKEND}: it reads the pickled metadata appended to a Poplar executable; "
+        "poptorch.load reads poptorchsim's files directly"),
+    "poptorch.poptorchAtExit": (
+        f"{_BACKEND}: the atexit hook that releases IPU devices; the simulator holds none"),
+    # -- strategies -------------------------------------------------------------------
+    **{f"{cls}.{hook}": (
+        "a hook PopTorch's tracer calls around tracing to reset the stage manager; "
+        "poptorchsim's capture reads the strategy's stages directly")
+       for cls in ("PipelinedExecution", "ShardedExecution", "SerialPhasedExecution",
+                   "ParallelPhasedExecution")
+       for hook in ("onStartTracing", "onEndTracing")},
+    # -- PoplarExecutor ----------------------------------------------------------------
+    "PoplarExecutor.PoptorchParameter": (
+        "PopTorch swaps the parameters' class so that reading one copies the weights "
+        "back lazily; the simulator copies them into the model after every call"),
+    "PoplarExecutor.PoptorchBuffer": (
+        "as PoptorchParameter: the simulator copies buffers back after every call"),
+    "PoplarExecutor.per_replica_params": (
+        "replica-grouped weights (parameter.replicaGrouping) are not simulated; no "
+        "application uses them"),
+    # -- poptorch.CPU ----------------------------------------------------------------
+    **{f"CPU.{name}": (
+        "an implementation detail of PopTorch's CPU op (persistent host buffers the C++ "
+        "callback fills); the simulator calls the function with the real values itself")
+       for name in ("execute", "registerPersistentData", "in_shapes", "out_shapes",
+                    "inputs", "outputs")},
+}
+
+
+def _dataset(n=8):
+    return torch.utils.data.TensorDataset(torch.arange(2. * n).reshape(n, 2))
+
+
+def _loaders():
+    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(_dataset()),
+                                            2, drop_last=False)
+    return [poptorchsim.DataLoader(poptorchsim.Options(), _dataset(), batch_size=2),
+            poptorchsim.DataLoader(poptorchsim.Options(), _dataset(), batch_sampler=sampler),
+            # PopTorch sets rebatched_drop_last in the rebatched mode only
+            poptorchsim.DataLoader(poptorchsim.Options(), _dataset(), batch_size=2,
+                                   mode=poptorchsim.DataLoaderMode.AsyncRebatched)]
+
+
+def _optimizer(name):
+    return getattr(poptorchsim.optim, name)([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+
+
+# class key -> instances to look the names up on (an attribute PopTorch sets
+# in one mode only may be on one of them)
+INSTANCES = {
+    "Options": lambda: [poptorchsim.Options()],
+    "Options.Training": lambda: [poptorchsim.Options().Training],
+    "Options.Distributed": lambda: [poptorchsim.Options().Distributed],
+    "Options.Precision": lambda: [poptorchsim.Options().Precision],
+    "Options.TensorLocations": lambda: [poptorchsim.Options().TensorLocations],
+    "Options.Jit": lambda: [poptorchsim.Options().Jit],
+    "Options._Popart": lambda: [poptorchsim.Options()._Popart],
+    "TensorLocationSettings": lambda: [poptorchsim.TensorLocationSettings()],
+    "PipelinedExecution": lambda: [poptorchsim.PipelinedExecution()],
+    "ShardedExecution": lambda: [poptorchsim.ShardedExecution()],
+    "SerialPhasedExecution": lambda: [
+        poptorchsim.SerialPhasedExecution(poptorchsim.Phase("A"))],
+    "ParallelPhasedExecution": lambda: [
+        poptorchsim.ParallelPhasedExecution(poptorchsim.Phase("A"))],
+    "Stage": lambda: [poptorchsim.Stage("A")],
+    "Phase": lambda: [poptorchsim.Phase("A")],
+    "DataLoader": _loaders,
+    "AsynchronousDataAccessor": lambda: [
+        poptorchsim.AsynchronousDataAccessor(
+            poptorchsim.DataLoader(poptorchsim.Options(), _dataset(), batch_size=2))],
+    "PoplarExecutor": lambda: [poptorchsim.inferenceModel(torch.nn.Linear(2, 2))],
+    "optim.VariableAttributes": lambda: [_optimizer("SGD").variable_attrs],
+    **{f"optim.{name}": (lambda name=name: [_optimizer(name)])
+       for name in ("SGD", "Adam", "AdamW", "RMSprop", "LAMB")},
+    "Block": lambda: [poptorchsim.Block("A")],
+    "MultiConv": lambda: [poptorchsim.MultiConv()],
+    "CPU": lambda: [poptorchsim.CPU(lambda x: x, "id")],
+}
+
+
+def _has(obj, name):
+    """``name`` on ``obj``'s class (methods, properties: not evaluated) or
+    on the instance; a property that raises counts as present."""
+    if hasattr(type(obj), name):
+        return True
+    try:
+        getattr(obj, name)
+    except AttributeError:
+        return False
+    except Exception:       # noqa: BLE001 - the name exists, its value needs a compile
+        return True
+    return True
+
+
+def _module(key):
+    return poptorchsim if key == "poptorch" else importlib.import_module(
+        "poptorchsim." + key.split(".", 1)[1])
+
+
+def _close(objects):
+    for obj in objects:
+        terminate = getattr(obj, "terminate", None)
+        if callable(terminate):
+            terminate()
+
+
+def _missing_classes():
+    out = []
+    for key, members in SURFACE["classes"].items():
+        objects = INSTANCES[key]()
+        try:
+            out += [f"{key}.{n}" for n in members if not any(_has(o, n) for o in objects)]
+        finally:
+            _close(objects)
+    return out
+
+
+@pytest.fixture(scope="module")
+def missing():
+    """Every name of PopTorch's surface that poptorchsim lacks."""
+    out = [f"{key}.{n}" for key, names in SURFACE["modules"].items()
+           for n in names if not hasattr(_module(key), n)]
+    return out + _missing_classes()
+
+
+def test_every_class_has_instances():
+    assert set(INSTANCES) == set(SURFACE["classes"])
+
+
+def test_every_name_is_provided_or_absent_with_a_reason(missing):
+    unexplained = [name for name in missing if name not in ABSENT]
+    assert not unexplained, (
+        "PopTorch names poptorchsim lacks, with no reason in ABSENT:\n  "
+        + "\n  ".join(unexplained))
+
+
+def test_absent_lists_only_missing_names(missing):
+    """An ABSENT entry for a name poptorchsim now has, or one PopTorch does
+    not have, is stale."""
+    known = {f"{key}.{n}" for key, names in SURFACE["modules"].items() for n in names}
+    known |= {f"{key}.{n}" for key, members in SURFACE["classes"].items() for n in members}
+    assert not set(ABSENT) - known, sorted(set(ABSENT) - known)
+    stale = sorted(set(ABSENT) - set(missing))
+    assert not stale, f"ABSENT lists names poptorchsim has: {stale}"
+
+
+def test_a_name_gone_missing_is_caught(monkeypatch):
+    """The check can fail: remove a setter and it is reported."""
+    monkeypatch.delattr(poptorchsim._api.option_extras._CompilerOptions, "enableStableNorm")
+    assert "Options.enableStableNorm" in _missing_classes()
+    monkeypatch.delattr(poptorchsim, "setLogLevel")
+    assert not hasattr(_module("poptorch"), "setLogLevel")
+
+
+def test_applications_private_names_are_provided():
+    """The private names Graphcore's applications read are all provided."""
+    for key, names in SURFACE["semi_public_used_by"].items():
+        for name in names:
+            assert f"{key}.{name}" not in ABSENT, (key, name)
+
+
+@pytest.mark.skipif(not os.path.isdir(MIRROR), reason="no PopTorch mirror on this machine")
+def test_data_file_matches_poptorch_sources():
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tools"))
+    try:
+        import poptorch_surface
+    finally:
+        sys.path.pop(0)
+    examples = poptorch_surface.DEFAULT_EXAMPLES
+    fresh = poptorch_surface.build(MIRROR, SURFACE["source"].split("@")[1].split()[0],
+                                   examples if os.path.isdir(examples) else None)
+    assert fresh["modules"] == SURFACE["modules"]
+    assert fresh["classes"] == SURFACE["classes"]
