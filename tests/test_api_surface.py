@@ -26,7 +26,8 @@ import torch
 
 import poptorchsim
 
-DATA = pathlib.Path(__file__).parent / "data" / "poptorch_surface.json"
+ROOT = pathlib.Path(__file__).parents[1]
+DATA = ROOT / "tests" / "data" / "poptorch_surface.json"
 SURFACE = json.loads(DATA.read_text())
 MIRROR = "/work/.mirror/graphcore+poptorch/repo"
 
@@ -213,15 +214,36 @@ def test_applications_private_names_are_provided():
             assert f"{key}.{name}" not in ABSENT, (key, name)
 
 
-@pytest.mark.skipif(not os.path.isdir(MIRROR), reason="no PopTorch mirror on this machine")
-def test_data_file_matches_poptorch_sources():
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tools"))
+def test_no_name_applications_use_is_absent():
+    """``called_by_applications``: PopTorch names Graphcore's applications use
+    by name (tools/poptorch_surface.py)."""
+    used_but_absent = sorted(set(SURFACE["called_by_applications"]) & set(ABSENT))
+    assert not used_but_absent, used_but_absent
+
+
+def _tool(name):
+    sys.path.insert(0, str(ROOT / "tools"))
     try:
-        import poptorch_surface
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
+
+
+def test_docs_page_is_current():
+    """docs/api_surface.md is what tools/api_surface_doc.py writes."""
+    page = (ROOT / "docs" / "api_surface.md").read_text()
+    assert page == _tool("api_surface_doc").render(SURFACE, ABSENT), (
+        "docs/api_surface.md is stale: run python tools/api_surface_doc.py")
+
+
+@pytest.mark.skipif(not os.path.isdir(MIRROR), reason="no PopTorch mirror on this machine")
+def test_data_file_matches_poptorch_sources():
+    poptorch_surface = _tool("poptorch_surface")
     examples = poptorch_surface.DEFAULT_EXAMPLES
     fresh = poptorch_surface.build(MIRROR, SURFACE["source"].split("@")[1].split()[0],
                                    examples if os.path.isdir(examples) else None)
     assert fresh["modules"] == SURFACE["modules"]
     assert fresh["classes"] == SURFACE["classes"]
+    if os.path.isdir(examples):
+        assert fresh["called_by_applications"] == SURFACE["called_by_applications"]
+        assert fresh["semi_public_used_by"] == SURFACE["semi_public_used_by"]

@@ -192,12 +192,26 @@ def all_members(trees, module, name):
     return members
 
 
-def app_private_names(examples, commit="HEAD"):
-    """``{name: [files]}``: ``obj._name`` reads (``obj`` not ``self``/``cls``)
-    in the Python files of graphcore/examples that mention poptorch."""
+def _dotted(expr):
+    """``a.b.c`` for a chain of names, else None."""
+    if isinstance(expr, ast.Name):
+        return expr.id
+    if isinstance(expr, ast.Attribute):
+        head = _dotted(expr.value)
+        return None if head is None else f"{head}.{expr.attr}"
+    return None
+
+
+def app_names(examples, commit="HEAD"):
+    """What the Python files of graphcore/examples that mention poptorch
+    use: ``(private, module_names, called)``: ``{name: [files]}`` for
+    ``obj._name`` reads (``obj`` not ``self``/``cls``), the set of
+    ``(module, name)`` for ``poptorch.optim.<name>`` and ``from poptorch.optim
+    import <name>`` (any poptorch module), and the set of ``.<name>(...)``
+    method calls."""
     files = subprocess.run(["git", "-C", examples, "grep", "-l", "poptorch", commit, "--",
                             "*.py"], capture_output=True, text=True).stdout.split()
-    found = {}
+    found, module_names, called = {}, set(), set()
     for entry in files:
         path = entry.split(":", 1)[1]
         source = subprocess.run(["git", "-C", examples, "show", entry],
@@ -209,11 +223,20 @@ def app_private_names(examples, commit="HEAD"):
         except SyntaxError:
             continue
         for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                called.add(node.func.attr)
+            if isinstance(node, ast.Attribute):
+                dotted = _dotted(node.value)
+                if dotted is not None and dotted.split(".")[0] == "poptorch":
+                    module_names.add((dotted, node.attr))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] \
+                    == "poptorch":
+                module_names.update((node.module, alias.name) for alias in node.names)
             if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
                     and not node.attr.startswith("__") and not (
                         isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
                 found.setdefault(node.attr, set()).add(path)
-    return {name: sorted(paths) for name, paths in found.items()}
+    return ({name: sorted(paths) for name, paths in found.items()}, module_names, called)
 
 
 def build(mirror, commit, examples=None):
@@ -224,7 +247,7 @@ def build(mirror, commit, examples=None):
     surface = {"poptorch": sorted(init_names(trees["__init__"], star))}
     for module in SUBMODULES:
         surface[f"poptorch.{module}"] = sorted(top_level_names(trees[module]))
-    used = app_private_names(examples) if examples else {}
+    used, module_names, called = app_names(examples) if examples else ({}, set(), set())
     classes, semi_public = {}, {}
     for (module, name), key in CLASSES.items():
         members = all_members(trees, module, name)
@@ -241,7 +264,19 @@ def build(mirror, commit, examples=None):
     return {"source": f"graphcore/poptorch@{head} python/",
             "generated_by": "tools/poptorch_surface.py",
             "modules": surface, "classes": classes,
-            "semi_public_used_by": semi_public}
+            "semi_public_used_by": semi_public,
+            "called_by_applications": _called(surface, classes, module_names, called)}
+
+
+def _called(surface, classes, module_names, called):
+    """The surface names applications use by name: ``poptorch.<name>``,
+    ``poptorch.optim.<name>`` (or imported from there), and methods called as ``.<name>(...)`` (a
+    method of that name on any object counts, so this over-counts)."""
+    out = [f"{module}.{n}" for module, names in surface.items() for n in names
+           if (module, n) in module_names]
+    out += [f"{key}.{n}" for key, members in classes.items()
+            for n, kind in members.items() if kind == "method" and n in called]
+    return sorted(out)
 
 
 def main(argv=None):
