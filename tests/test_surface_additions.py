@@ -190,3 +190,12 @@ def test_options_module_names():
     assert options.ShardedExecution is poptorchsim.ShardedExecution
     assert options.Stage is poptorchsim.Stage and options.Phase is poptorchsim.Phase
     assert options.Attribute is poptorchsim.Attribute and options.BlockId is str
+
+
+def test_set_patterns_uses_poptorchs_keys():
+    popart = Options()._Popart
+    assert popart.setPatterns({"TiedGather": True}, 0) is popart
+    assert popart.options["patterns"] == {"TiedGather": True}
+    assert popart.options["patterns_level"] == 0
+    with pytest.raises(AssertionError):
+        popart.setPatterns({"TiedGather": True}, "0")

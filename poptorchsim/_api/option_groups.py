@@ -377,8 +377,12 @@ class _PopartOptions(_OptionsDict):
         return self.set("engineOptions", dict(engine_options))
 
     def setPatterns(self, patterns, level=2):
-        self.set("patterns", dict(patterns))
-        return self.set("patternsLevel", level)
+        """Overrides PopART's default patterns: ``{name: enabled}``, and
+        ``level`` (``popart::PatternsLevel``); stored under PopTorch's keys."""
+        assert isinstance(level, int)
+        assert isinstance(patterns, dict)
+        self.set("patterns_level", level)
+        return self.set("patterns", dict(patterns))
 
     def toDict(self):
         return dict(self.options)
