@@ -82,6 +82,18 @@ ABSENT = {
 }
 
 
+# "<key>.<function>": why its parameters differ from PopTorch's.
+_BUILT_INSIDE = ("built by poptorchsim itself, never by an application: Options makes its "
+                 "option groups, trainingModel/inferenceModel make the executor")
+SIGNATURE_EXEMPT = {
+    "Options.Training.__init__": _BUILT_INSIDE,
+    "Options.Precision.__init__": _BUILT_INSIDE,
+    "Options.Jit.__init__": _BUILT_INSIDE,
+    "Options.TensorLocations.__init__": _BUILT_INSIDE,
+    "PoplarExecutor.__init__": _BUILT_INSIDE,
+}
+
+
 def _dataset(n=8):
     return torch.utils.data.TensorDataset(torch.arange(2. * n).reshape(n, 2))
 
@@ -131,6 +143,21 @@ INSTANCES = {
     "MultiConv": lambda: [poptorchsim.MultiConv()],
     "CPU": lambda: [poptorchsim.CPU(lambda x: x, "id")],
 }
+
+
+_OPTION_GROUPS = {"Training": "_TrainingOptions", "Distributed": "_DistributedOptions",
+                  "Precision": "_PrecisionOptions", "TensorLocations": "_TensorLocationOptions",
+                  "Jit": "_JitOptions", "_Popart": "_PopartOptions"}
+
+
+def _class(key):
+    """poptorchsim's class for a class key of the surface."""
+    if key.startswith("Options."):
+        return getattr(poptorchsim.options, _OPTION_GROUPS[key.split(".", 1)[1]])
+    owner = poptorchsim
+    for part in key.split("."):
+        owner = getattr(owner, part)
+    return owner
 
 
 def _has(obj, name):
@@ -214,6 +241,79 @@ def test_applications_private_names_are_provided():
             assert f"{key}.{name}" not in ABSENT, (key, name)
 
 
+def _resolve(key):
+    owner, _, name = key.rpartition(".")
+    if owner in SURFACE["classes"]:
+        cls = _class(owner)
+        return cls if name == "__init__" else getattr(cls, name)
+    return getattr(_module(owner), name)
+
+
+def signature_problems(poptorch_params, fn):
+    """How ``fn`` fails to take a call written for PopTorch's parameters
+    (``signatures`` in the data file: ``name``, ``name=`` with a default,
+    ``*args``, ``**kwargs``): a parameter it lacks, a default it lacks, or
+    positional parameters in another order."""
+    import inspect
+    params = list(inspect.signature(fn).parameters.values())
+    if params and params[0].name in ("self", "cls") and inspect.isfunction(fn):
+        params = params[1:]
+    by_name = {p.name: p for p in params}
+    var_kw = any(p.kind == p.VAR_KEYWORD for p in params)
+    var_pos = any(p.kind == p.VAR_POSITIONAL for p in params)
+    problems, positional, keyword_only = [], [], False
+    for entry in poptorch_params:
+        if entry.startswith("**"):
+            problems += [] if var_kw else [f"no {entry}"]
+            continue
+        if entry.startswith("*"):
+            keyword_only = True
+            problems += [] if var_pos else [f"no {entry}"]
+            continue
+        name = entry.rstrip("=")
+        param = by_name.get(name)
+        if param is None:
+            problems += [] if var_kw else [f"no parameter {name}"]
+            continue
+        if entry.endswith("=") and param.default is inspect.Parameter.empty \
+                and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            problems.append(f"{name} has no default")
+        if not keyword_only:
+            positional.append(name)
+    theirs = {entry.lstrip("*").rstrip("=") for entry in poptorch_params}
+    problems += [f"requires {p.name}" for p in params
+                 if p.default is inspect.Parameter.empty and p.name not in theirs
+                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    ours = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if ours[:len(positional)] != positional and not var_pos:
+        problems.append(f"positional parameters {ours} where PopTorch has {positional}")
+    return problems
+
+
+def test_functions_take_poptorchs_parameters():
+    """Every provided function and method takes a call written for
+    PopTorch's: its parameter names, defaults and positional order."""
+    bad = {}
+    for key, params in SURFACE["signatures"].items():
+        if key in ABSENT or key in SIGNATURE_EXEMPT:
+            continue
+        problems = signature_problems(params, _resolve(key))
+        if problems:
+            bad[key] = problems
+    assert not bad, "\n".join(f"{k}: {v}" for k, v in bad.items())
+
+
+def test_the_signature_check_can_fail():
+    def setter(self, value, extra):
+        return self
+    assert signature_problems(["enabled"], setter) == [
+        "no parameter enabled", "requires value", "requires extra"]
+    assert signature_problems(["value=", "extra"], setter) == ["value has no default"]
+    assert signature_problems(["extra", "value"], setter) == [
+        "positional parameters ['value', 'extra'] where PopTorch has ['extra', 'value']"]
+    assert not set(SIGNATURE_EXEMPT) - set(SURFACE["signatures"])
+
+
 def test_no_name_applications_use_is_absent():
     """``called_by_applications``: PopTorch names Graphcore's applications use
     by name (tools/poptorch_surface.py)."""
@@ -232,7 +332,7 @@ def _tool(name):
 def test_docs_page_is_current():
     """docs/api_surface.md is what tools/api_surface_doc.py writes."""
     page = (ROOT / "docs" / "api_surface.md").read_text()
-    assert page == _tool("api_surface_doc").render(SURFACE, ABSENT), (
+    assert page == _tool("api_surface_doc").render(SURFACE, ABSENT, SIGNATURE_EXEMPT), (
         "docs/api_surface.md is stale: run python tools/api_surface_doc.py")
 
 
@@ -247,3 +347,4 @@ def test_data_file_matches_poptorch_sources():
     if os.path.isdir(examples):
         assert fresh["called_by_applications"] == SURFACE["called_by_applications"]
         assert fresh["semi_public_used_by"] == SURFACE["semi_public_used_by"]
+    assert fresh["signatures"] == SURFACE["signatures"]

@@ -60,25 +60,33 @@ the absent names is used by name in Graphcore's applications: the tool also
 lists the names the applications use (`poptorch.<name>`, names imported from
 `poptorch`, and methods called as `.<name>(...)`: {called} of the {total}), and
 the test checks that none of them is absent.
+
+Parameters are compared too: each of the {signatures} functions and methods
+PopTorch defines (constructors included) must take a call written for
+PopTorch's: the same parameter names, a default wherever PopTorch has one, no
+extra required parameter, and the positional parameters in PopTorch's order.
+{exempt} constructors that only poptorchsim itself calls are exempt (listed
+at the end).
 """
 
 
-def _load_absent():
+def _load_lists():
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     try:
         import test_api_surface
     finally:
         sys.path.pop(0)
-    return test_api_surface.ABSENT
+    return test_api_surface.ABSENT, test_api_surface.SIGNATURE_EXEMPT
 
 
-def render(surface, absent):
+def render(surface, absent, exempt):
     groups = [(key, names) for key, names in surface["modules"].items()]
     groups += [(key, list(members)) for key, members in surface["classes"].items()]
     total = sum(len(names) for _, names in groups)
     called = set(surface["called_by_applications"])
     lines = [INTRO.format(source=surface["source"], provided=total - len(absent),
-                          total=total, absent=len(absent), called=len(called))]
+                          total=total, absent=len(absent), called=len(called),
+                          signatures=len(surface["signatures"]), exempt=len(exempt))]
     lines += ["## Per module and class", "",
               "| PopTorch | names | provided | absent | used by applications |",
               "| --- | ---: | ---: | ---: | ---: |"]
@@ -103,6 +111,9 @@ def render(surface, absent):
               "| name | what the simulator does |", "| --- | --- |"]
     for name, what in RECORDED_ONLY.items():
         lines.append(f"| `{name}` | {what} |")
+    lines += ["", "## Parameters not compared", "", "| function | why |", "| --- | --- |"]
+    for name, why in exempt.items():
+        lines.append(f"| `{name}` | {why} |")
     lines += ["", "## Regenerating", "",
               "```bash",
               "python tools/poptorch_surface.py   # needs the PopTorch (and examples) mirrors",
@@ -115,7 +126,7 @@ def main():
     with open(DATA) as f:
         surface = json.load(f)
     with open(PAGE, "w") as f:
-        f.write(render(surface, _load_absent()))
+        f.write(render(surface, *_load_lists()))
     print(f"wrote {os.path.relpath(PAGE, ROOT)}", file=sys.stderr)
 
 

@@ -138,6 +138,27 @@ def _decorator_names(func):
     return out
 
 
+def signature(func):
+    """PopTorch's parameters of a function: ``[name, ...]`` in order,
+    ``*name``/``**name`` for the catch-alls, ``name=`` for those with a
+    default; ``self``/``cls`` left out."""
+    args = func.args
+    out = []
+    positional = args.posonlyargs + args.args
+    first_default = len(positional) - len(args.defaults)
+    for k, arg in enumerate(positional):
+        out.append(arg.arg + ("=" if k >= first_default else ""))
+    if args.vararg:
+        out.append("*" + args.vararg.arg)
+    for arg, default in zip(args.kwonlyargs, args.kw_defaults):
+        out.append(arg.arg + ("=" if default is not None else ""))
+    if args.kwarg:
+        out.append("**" + args.kwarg.arg)
+    if out and out[0] in ("self", "cls"):
+        out = out[1:]
+    return out
+
+
 def class_members(cls):
     """{name: kind} for a class body: methods, properties, class attributes
     and ``self.<name> = ...`` instance attributes."""
@@ -179,6 +200,34 @@ def find_class(trees, module, name):
         if isinstance(node, ast.ClassDef) and node.name == name:
             return node
     raise KeyError(f"{module}.{name}")
+
+
+def all_signatures(trees, module, name):
+    """``{method: signature}`` for a class, ``__init__`` included, with the
+    methods of its PopTorch base classes."""
+    cls = find_class(trees, module, name)
+    out = {}
+    for base in cls.bases:
+        key = _base_name(base)
+        if key in BASES:
+            out.update(all_signatures(trees, *BASES[key]))
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and not _decorator_names(node) & {
+                "property", "setter", "staticmethod"}:
+            out[node.name] = signature(node)
+    return out
+
+
+def module_signatures(trees, surface):
+    """``{"poptorch.<function>": signature}`` for the surface's functions."""
+    defined = {}
+    for module in ["__init__", "ops", "options", "_printing", "_poplar_executor", "optim",
+                   "profiling"]:
+        for node in trees[module].body:
+            if isinstance(node, ast.FunctionDef):
+                defined.setdefault(node.name, signature(node))
+    return {f"{key}.{n}": defined[n] for key, names in surface.items() for n in names
+            if n in defined and key in ("poptorch",)}
 
 
 def all_members(trees, module, name):
@@ -249,8 +298,13 @@ def build(mirror, commit, examples=None):
         surface[f"poptorch.{module}"] = sorted(top_level_names(trees[module]))
     used, module_names, called = app_names(examples) if examples else ({}, set(), set())
     classes, semi_public = {}, {}
+    signatures = module_signatures(trees, surface)
     for (module, name), key in CLASSES.items():
         members = all_members(trees, module, name)
+        for method, params in all_signatures(trees, module, name).items():
+            if method in members or method == "__init__":
+                if _public(method) or method == "__init__":
+                    signatures[f"{key}.{method}"] = params
         private = sorted(n for n in members if n in used and not n.startswith("__"))
         semi = sorted(set(SEMI_PUBLIC.get(key, [])) | set(private))
         keep = {n: k for n, k in members.items() if _public(n) or n in semi}
@@ -265,7 +319,8 @@ def build(mirror, commit, examples=None):
             "generated_by": "tools/poptorch_surface.py",
             "modules": surface, "classes": classes,
             "semi_public_used_by": semi_public,
-            "called_by_applications": _called(surface, classes, module_names, called)}
+            "called_by_applications": _called(surface, classes, module_names, called),
+            "signatures": dict(sorted(signatures.items()))}
 
 
 def _called(surface, classes, module_names, called):

@@ -68,12 +68,12 @@ class _OptionsDict:
         self._values.update(kwargs)
         return self
 
-    def exists(self, key):
-        return key in self._values
+    def exists(self, option):
+        return option in self._values
 
-    def deleteIfExists(self, key):
+    def deleteIfExists(self, option):
         self._check_not_frozen()
-        self._values.pop(key, None)
+        self._values.pop(option, None)
 
     def checkIsFrozen(self, option=None):
         """Raises ``AttributeError`` if these options are frozen (PopTorch's
@@ -162,11 +162,12 @@ class _TrainingOptions(_OptionsDict):
         self._values["accumulation_and_replication_reduction_type"] = reduction_type
         return self
 
-    def setMeanAccumulationAndReplicationReductionStrategy(self, strategy):
-        if not isinstance(strategy, enums.MeanReductionStrategy):
+    def setMeanAccumulationAndReplicationReductionStrategy(self, mean_reduction_strategy):
+        if not isinstance(mean_reduction_strategy, enums.MeanReductionStrategy):
             raise ValueError("Expected a poptorch.MeanReductionStrategy")
         self._check_not_frozen()
-        self._values["meanAccumulationAndReplicationReductionStrategy"] = strategy
+        self._values["meanAccumulationAndReplicationReductionStrategy"] = (
+            mean_reduction_strategy)
         return self
 
     def setAutomaticLossScaling(self, enabled):
@@ -227,8 +228,8 @@ class TensorLocationSettings(_OptionsDict):
     2 elements to go off chip and 8192 to be sharded.
     """
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, **default_values):
+        super().__init__(**default_values)
 
     def minElementsForOffChip(self, min_elements):
         """Tensors with fewer elements stay on chip."""
