@@ -314,6 +314,20 @@ def test_the_signature_check_can_fail():
     assert not set(SIGNATURE_EXEMPT) - set(SURFACE["signatures"])
 
 
+def test_enums_have_poptorchs_members_and_values():
+    """Applications pass enum values to the backend and compare them: every
+    member of every PopTorch enum exists, with PopTorch's value."""
+    wrong = []
+    for name, members in SURFACE["enums"].items():
+        enum = getattr(poptorchsim.enums, name)
+        for member, value in members.items():
+            if member not in enum.__members__:
+                wrong.append(f"{name}.{member} missing")
+            elif value is not None and enum[member].value != value:
+                wrong.append(f"{name}.{member} = {enum[member].value!r}, PopTorch {value!r}")
+    assert not wrong, wrong
+
+
 def test_no_name_applications_use_is_absent():
     """``called_by_applications``: PopTorch names Graphcore's applications use
     by name (tools/poptorch_surface.py)."""
@@ -348,3 +362,4 @@ def test_data_file_matches_poptorch_sources():
         assert fresh["called_by_applications"] == SURFACE["called_by_applications"]
         assert fresh["semi_public_used_by"] == SURFACE["semi_public_used_by"]
     assert fresh["signatures"] == SURFACE["signatures"]
+    assert fresh["enums"] == SURFACE["enums"]

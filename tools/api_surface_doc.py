@@ -66,7 +66,8 @@ PopTorch defines (constructors included) must take a call written for
 PopTorch's: the same parameter names, a default wherever PopTorch has one, no
 extra required parameter, and the positional parameters in PopTorch's order.
 {exempt} constructors that only poptorchsim itself calls are exempt (listed
-at the end).
+at the end). The {members} members of PopTorch's {enums} enums all exist, with
+PopTorch's values.
 """
 
 
@@ -86,7 +87,9 @@ def render(surface, absent, exempt):
     called = set(surface["called_by_applications"])
     lines = [INTRO.format(source=surface["source"], provided=total - len(absent),
                           total=total, absent=len(absent), called=len(called),
-                          signatures=len(surface["signatures"]), exempt=len(exempt))]
+                          signatures=len(surface["signatures"]), exempt=len(exempt),
+                          enums=len(surface["enums"]),
+                          members=sum(len(m) for m in surface["enums"].values()))]
     lines += ["## Per module and class", "",
               "| PopTorch | names | provided | absent | used by applications |",
               "| --- | ---: | ---: | ---: | ---: |"]

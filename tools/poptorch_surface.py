@@ -230,6 +230,24 @@ def module_signatures(trees, surface):
             if n in defined and key in ("poptorch",)}
 
 
+def enum_members(tree):
+    """``{enum: {member: value}}`` for the enums of ``enums.py`` (a value
+    that is not a literal is None)."""
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            members = {}
+            for item in node.body:
+                if isinstance(item, ast.Assign) and isinstance(item.targets[0], ast.Name) \
+                        and _public(item.targets[0].id):
+                    try:
+                        members[item.targets[0].id] = ast.literal_eval(item.value)
+                    except ValueError:
+                        members[item.targets[0].id] = None
+            out[node.name] = members
+    return out
+
+
 def all_members(trees, module, name):
     cls = find_class(trees, module, name)
     members = {}
@@ -320,7 +338,8 @@ def build(mirror, commit, examples=None):
             "modules": surface, "classes": classes,
             "semi_public_used_by": semi_public,
             "called_by_applications": _called(surface, classes, module_names, called),
-            "signatures": dict(sorted(signatures.items()))}
+            "signatures": dict(sorted(signatures.items())),
+            "enums": enum_members(trees["enums"])}
 
 
 def _called(surface, classes, module_names, called):
