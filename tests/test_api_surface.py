@@ -73,12 +73,6 @@ ABSENT = {
     "PoplarExecutor.per_replica_params": (
         "replica-grouped weights (parameter.replicaGrouping) are not simulated; no "
         "application uses them"),
-    # -- poptorch.CPU ----------------------------------------------------------------
-    **{f"CPU.{name}": (
-        "an implementation detail of PopTorch's CPU op (persistent host buffers the C++ "
-        "callback fills); the simulator calls the function with the real values itself")
-       for name in ("execute", "registerPersistentData", "in_shapes", "out_shapes",
-                    "inputs", "outputs")},
 }
 
 

@@ -199,3 +199,26 @@ def test_set_patterns_uses_poptorchs_keys():
     assert popart.options["patterns_level"] == 0
     with pytest.raises(AssertionError):
         popart.setPatterns({"TiedGather": True}, "0")
+
+
+def test_cpu_op_records_shapes_and_runs_on_persistent_buffers():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cpu = poptorchsim.CPU(lambda x: (x * 2.0, x.sum(1)), "MyCPUOp")
+
+        def forward(self, x):
+            doubled, total = self.cpu(x)
+            return doubled + 1, total
+
+    model = Model()
+    x = torch.arange(6.).reshape(2, 3)
+    doubled, total = poptorchsim.inferenceModel(model)(x)
+    assert torch.equal(doubled, x * 2 + 1) and torch.equal(total, x.sum(1))
+    cpu = model.cpu
+    assert cpu.in_shapes == [torch.Size([2, 3])]
+    assert cpu.out_shapes == [torch.Size([2, 3]), torch.Size([2])]
+    cpu.registerPersistentData()
+    cpu.inputs[0].copy_(x)
+    cpu.execute()
+    assert torch.equal(cpu.outputs[0], x * 2) and torch.equal(cpu.outputs[1], x.sum(1))
