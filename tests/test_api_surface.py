@@ -323,9 +323,9 @@ def test_enums_have_poptorchs_members_and_values():
 
 
 def test_no_name_applications_use_is_absent():
-    """``called_by_applications``: PopTorch names Graphcore's applications use
+    """``used_by_applications``: PopTorch names Graphcore's applications use
     by name (tools/poptorch_surface.py)."""
-    used_but_absent = sorted(set(SURFACE["called_by_applications"]) & set(ABSENT))
+    used_but_absent = sorted(set(SURFACE["used_by_applications"]) & set(ABSENT))
     assert not used_but_absent, used_but_absent
 
 
@@ -353,7 +353,7 @@ def test_data_file_matches_poptorch_sources():
     assert fresh["modules"] == SURFACE["modules"]
     assert fresh["classes"] == SURFACE["classes"]
     if os.path.isdir(examples):
-        assert fresh["called_by_applications"] == SURFACE["called_by_applications"]
+        assert fresh["used_by_applications"] == SURFACE["used_by_applications"]
         assert fresh["semi_public_used_by"] == SURFACE["semi_public_used_by"]
     assert fresh["signatures"] == SURFACE["signatures"]
     assert fresh["enums"] == SURFACE["enums"]

@@ -58,7 +58,8 @@ reason is left for a name that is now provided.
 **{provided} of {total} names are provided; {absent} are absent.** None of
 the absent names is used by name in Graphcore's applications: the tool also
 lists the names the applications use (`poptorch.<name>`, names imported from
-`poptorch`, and methods called as `.<name>(...)`: {called} of the {total}), and
+`poptorch`, methods called as `.<name>(...)` and attributes read as
+`.<name>`, on any object, so it over-counts: {called} of the {total}), and
 the test checks that none of them is absent.
 
 Parameters are compared too: each of the {signatures} functions and methods
@@ -84,7 +85,7 @@ def render(surface, absent, exempt):
     groups = [(key, names) for key, names in surface["modules"].items()]
     groups += [(key, list(members)) for key, members in surface["classes"].items()]
     total = sum(len(names) for _, names in groups)
-    called = set(surface["called_by_applications"])
+    called = set(surface["used_by_applications"])
     lines = [INTRO.format(source=surface["source"], provided=total - len(absent),
                           total=total, absent=len(absent), called=len(called),
                           signatures=len(surface["signatures"]), exempt=len(exempt),

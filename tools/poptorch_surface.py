@@ -271,14 +271,14 @@ def _dotted(expr):
 
 def app_names(examples, commit="HEAD"):
     """What the Python files of graphcore/examples that mention poptorch
-    use: ``(private, module_names, called)``: ``{name: [files]}`` for
+    use: ``(private, module_names, called, read)``: ``{name: [files]}`` for
     ``obj._name`` reads (``obj`` not ``self``/``cls``), the set of
     ``(module, name)`` for ``poptorch.optim.<name>`` and ``from poptorch.optim
-    import <name>`` (any poptorch module), and the set of ``.<name>(...)``
-    method calls."""
+    import <name>`` (any poptorch module), the set of ``.<name>(...)``
+    method calls and the set of all ``.<name>`` attribute names."""
     files = subprocess.run(["git", "-C", examples, "grep", "-l", "poptorch", commit, "--",
                             "*.py"], capture_output=True, text=True).stdout.split()
-    found, module_names, called = {}, set(), set()
+    found, module_names, called, read = {}, set(), set(), set()
     for entry in files:
         path = entry.split(":", 1)[1]
         source = subprocess.run(["git", "-C", examples, "show", entry],
@@ -293,6 +293,7 @@ def app_names(examples, commit="HEAD"):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 called.add(node.func.attr)
             if isinstance(node, ast.Attribute):
+                read.add(node.attr)
                 dotted = _dotted(node.value)
                 if dotted is not None and dotted.split(".")[0] == "poptorch":
                     module_names.add((dotted, node.attr))
@@ -303,7 +304,8 @@ def app_names(examples, commit="HEAD"):
                     and not node.attr.startswith("__") and not (
                         isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
                 found.setdefault(node.attr, set()).add(path)
-    return ({name: sorted(paths) for name, paths in found.items()}, module_names, called)
+    return ({name: sorted(paths) for name, paths in found.items()}, module_names, called,
+            read)
 
 
 def build(mirror, commit, examples=None):
@@ -314,7 +316,8 @@ def build(mirror, commit, examples=None):
     surface = {"poptorch": sorted(init_names(trees["__init__"], star))}
     for module in SUBMODULES:
         surface[f"poptorch.{module}"] = sorted(top_level_names(trees[module]))
-    used, module_names, called = app_names(examples) if examples else ({}, set(), set())
+    used, module_names, called, read = (app_names(examples) if examples
+                                        else ({}, set(), set(), set()))
     classes, semi_public = {}, {}
     signatures = module_signatures(trees, surface)
     for (module, name), key in CLASSES.items():
@@ -337,19 +340,21 @@ def build(mirror, commit, examples=None):
             "generated_by": "tools/poptorch_surface.py",
             "modules": surface, "classes": classes,
             "semi_public_used_by": semi_public,
-            "called_by_applications": _called(surface, classes, module_names, called),
+            "used_by_applications": _used(surface, classes, module_names, called, read),
             "signatures": dict(sorted(signatures.items())),
             "enums": enum_members(trees["enums"])}
 
 
-def _called(surface, classes, module_names, called):
+def _used(surface, classes, module_names, called, read):
     """The surface names applications use by name: ``poptorch.<name>``,
-    ``poptorch.optim.<name>`` (or imported from there), and methods called as ``.<name>(...)`` (a
-    method of that name on any object counts, so this over-counts)."""
+    ``poptorch.optim.<name>`` (or imported from there), methods called as
+    ``.<name>(...)`` and properties and attributes read as ``.<name>`` (on any
+    object: a name counts wherever it appears, so this over-counts)."""
     out = [f"{module}.{n}" for module, names in surface.items() for n in names
            if (module, n) in module_names]
     out += [f"{key}.{n}" for key, members in classes.items()
-            for n, kind in members.items() if kind == "method" and n in called]
+            for n, kind in members.items()
+            if (n in called if kind == "method" else n in read)]
     return sorted(out)
 
 
