@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from . import _impl, enums, optim  # noqa: F401 - poptorch._impl
+from . import _impl, enums, optim, profiling  # noqa: F401 - poptorch._impl, .profiling
 from .annotations import (BeginBlock, Block, BlockFunction, BlockId, LegacyBeginBlockFn,
                           ParallelPhasedExecution, Phase, SerialPhasedExecution,
                           PipelinedExecution, ShardedExecution, Stage,
