@@ -44,8 +44,6 @@ ABSENT = {
     "poptorch.attributes_lists": (
         f"{_BACKEND}: the list that keeps custom-op attribute dicts alive for "
         "accessAttributes"),
-    "poptorch.ctc_beam_search_decoder": (
-        "a PopART op (CTC beam search) not used by Graphcore's applications; not simulated"),
     "poptorch.fps": _NO_GEOMETRIC,
     "poptorch.nearest": _NO_GEOMETRIC,
     "poptorch.registerGeometricCustomArgParsers": _NO_GEOMETRIC,
