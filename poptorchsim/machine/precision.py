@@ -37,6 +37,7 @@ _MANTISSA = 10
 _DROPPED = 1 << 13      # fp32 carries 13 mantissa bits below fp16's (normal values)
 _SMALLEST_NORMAL = 2.0 ** _MIN_EXP
 _SPARSE_FROM = 1 << 16  # a larger tensor mostly of zeros rounds its non-zeros only
+_BLOCK = 1 << 16        # values rounded at a time
 
 
 def stochastic_round(x, generator=None):
@@ -60,12 +61,23 @@ def stochastic_round(x, generator=None):
             out = flat.to(HALF)             # zeros (of either sign) exact
             out[where] = stochastic_round(flat[where], generator)
             return out.view(x.shape)
+    if x.numel() > _BLOCK:         # block by block: each block's temporaries stay in cache
+        flat, out = x.view(-1), torch.empty(x.shape, dtype=HALF)
+        for part, into in zip(flat.split(_BLOCK), out.view(-1).split(_BLOCK)):
+            into.copy_(_round_block(part, generator))
+        return out
+    return _round_block(x, generator)
+
+
+def _round_block(x, generator):
+    """``stochastic_round`` of a dense fp32 block, in place on its temporaries."""
     r = _random_bits(x.shape, generator)
     a = x.abs()
     # 2**-14 for subnormals, else 0 (a comparison written as floats: bool tensors are slow)
     shift = torch.lt(a, _SMALLEST_NORMAL, out=torch.empty_like(a)).mul_(_SMALLEST_NORMAL)
-    a = (((a + shift).view(torch.int32) + r) & -_DROPPED).view(torch.float32)
-    out = torch.copysign(a - shift, x)
+    bits = a.add_(shift).view(torch.int32)
+    bits.add_(r).bitwise_and_(-_DROPPED)
+    out = torch.copysign(a.sub_(shift), x, out=a)
     if x.numel() and torch.isnan(x.max()):      # a NaN's payload may carry into its sign
         out = torch.where(torch.isnan(x), x, out)
     return out.to(HALF)
@@ -234,39 +246,53 @@ def _chunk_products(a32, b32):
 SLICE_CHUNKS = 16      # chunks one tile accumulates in order (a slice of 256 products)
 
 
-def _slice_partials(a32, b32, slices):
-    """The fp16 partial sums of ``slices`` slices of the reduction (each
-    ``SLICE_CHUNKS`` chunks, zero-padded), in order along the reduction:
-    the running fp16 sum of each slice, computed for as many slices at once
-    as keep the products under ``_PRODUCTS_LIMIT`` values."""
+def _slice_partials(a32, b32):
+    """The fp16 partial sums of the slices of the reduction (``SLICE_CHUNKS``
+    chunks each; a last, shorter slice as many as it has), in order along
+    the reduction, as [..., g, M, N] groups: each slice's running fp16 sum,
+    the chunk products of a group's slices computed by one batched matmul
+    (groups of a power of two of slices, as many as keep the products
+    under ``_PRODUCTS_LIMIT`` values)."""
     width = SLICE_CHUNKS * PARTIALS_CHUNK
-    pad = slices * width - a32.shape[-1]
-    a32 = torch.nn.functional.pad(a32, (0, pad))
-    b32 = torch.nn.functional.pad(b32, (0, 0, 0, pad))
-    a5 = a32.unflatten(-1, (slices, SLICE_CHUNKS, PARTIALS_CHUNK)).movedim(-3, -4)
-    b5 = b32.unflatten(-2, (slices, SLICE_CHUNKS, PARTIALS_CHUNK))    # [..., s, c, 16, N]
-    m, cols = a32.shape[-2], b32.shape[-1]                             # a5: [..., s, M, c, 16]
-    lead = torch.broadcast_shapes(a32.shape[:-2], b32.shape[:-2])
-    per = max(1, _PRODUCTS_LIMIT // max(1, m * cols * math.prod(lead)))
-    for start in range(0, slices, per):
-        part = slice(start, start + per)
-        yield _accumulate_half(torch.matmul(a5[..., part, :, c, :], b5[..., part, c, :, :])
-                               for c in range(SLICE_CHUNKS))             # [..., g, M, N]
+    k, m, cols = a32.shape[-1], a32.shape[-2], b32.shape[-1]
+    full = k // width
+    lead = math.prod(torch.broadcast_shapes(a32.shape[:-2], b32.shape[:-2]))
+    fits = max(1, _PRODUCTS_LIMIT // max(1, m * cols * lead * SLICE_CHUNKS))
+    per = 1 << (fits.bit_length() - 1)
+    for start in range(0, full, per):
+        g = min(per, full - start)
+        lo, hi = start * width, (start + g) * width
+        a = a32[..., lo:hi].unflatten(-1, (g * SLICE_CHUNKS, PARTIALS_CHUNK)).movedim(-2, -3)
+        b = b32[..., lo:hi, :].unflatten(-2, (g * SLICE_CHUNKS, PARTIALS_CHUNK))
+        products = torch.matmul(a, b).unflatten(-3, (g, SLICE_CHUNKS))    # [..., g, c, M, N]
+        yield _accumulate_half(products.unbind(-3))
+    if full * width < k:
+        tail = _accumulate_half(_chunk_products(a32[..., full * width:],
+                                                b32[..., full * width:, :]))
+        yield tail.unsqueeze(-3)
 
 
 def _tree_sum_half(partials):
     """fp16 partial sums (an iterator of [..., g, M, N] groups, in order)
     added pairwise, each sum rounded to fp16: a balanced binary tree over
     the slices, built as they come (two sums of the same height are added
-    at once), the few left at the end added from the last."""
+    at once), the few left at the end added from the last.  A group's
+    aligned power-of-two blocks are added level by level, all pairs of a
+    level at once: the same tree."""
     stack = []                      # (height, fp16 partial sum)
     for group in partials:
-        for p in group.unbind(-3):
-            height = 0
+        start, g = 0, group.shape[-3]
+        while start < g:
+            size = 1 << ((g - start).bit_length() - 1)
+            block = group.narrow(-3, start, size)
+            while block.shape[-3] > 1:          # fp16 + fp16: the fp32 sum rounded once
+                block = block[..., 0::2, :, :] + block[..., 1::2, :, :]
+            p, height = block.squeeze(-3), size.bit_length() - 1
             while stack and stack[-1][0] == height:
-                p = stack.pop()[1] + p      # fp16 + fp16: the fp32 sum rounded once
+                p = stack.pop()[1] + p
                 height += 1
             stack.append((height, p))
+            start += size
     acc = stack.pop()[1]
     while stack:
         acc = stack.pop()[1] + acc
@@ -283,7 +309,7 @@ def half_partials_mm(a, b):
     chunks = -(-a.shape[-1] // PARTIALS_CHUNK)
     if chunks <= SLICE_CHUNKS:
         return _accumulate_half(_chunk_products(a32, b32))
-    return _tree_sum_half(_slice_partials(a32, b32, -(-chunks // SLICE_CHUNKS)))
+    return _tree_sum_half(_slice_partials(a32, b32))
 
 
 def _mm(a, b):
