@@ -99,10 +99,10 @@ def test_half_partials_follow_the_documented_model(shapes):
 def test_half_partials_in_small_groups_give_the_same_tree(monkeypatch):
     """Slices computed a few at a time (a large matmul's products kept
     under the limit) are added in the same tree as all at once."""
-    from poptorchsim.machine import precision
+    from poptorchsim.machine import half_partials
     g = torch.Generator().manual_seed(2)
     a, b = torch.randn(6, 7000, generator=g).half(), torch.randn(7000, 10, generator=g).half()
     whole = half_partials_mm(a, b)
-    monkeypatch.setattr(precision, "_PRODUCTS_LIMIT", 3000)     # 1 or 2 slices per group
+    monkeypatch.setattr(half_partials, "_PRODUCTS_LIMIT", 3000)     # 1 or 2 slices per group
     assert torch.equal(half_partials_mm(a, b), whole)
     assert torch.equal(whole, _half_partials_by_the_book(a, b))
