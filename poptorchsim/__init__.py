@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from . import _impl, enums, optim  # noqa: F401 - poptorch._impl
+from . import _impl, enums, optim, profiling  # noqa: F401 - poptorch._impl, .profiling
 from .annotations import (BeginBlock, Block, BlockFunction, BlockId, LegacyBeginBlockFn,
                           ParallelPhasedExecution, Phase, SerialPhasedExecution,
                           PipelinedExecution, ShardedExecution, Stage,
@@ -259,7 +259,19 @@ def _install_log_handler():
         "[%(asctime)s.%(msecs)03d] [poptorch:python] [%(levelname)s] %(message)s",
         datefmt="%H:%M:%S"))
     logger.addHandler(handler)
+    logger.addFilter(_as_poptorch_logger_allows)
     setLogLevel(os.environ.get("POPTORCH_LOG_LEVEL", "WARN"))
+
+
+POPTORCH_LOGGER = "poptorch::python"       # PopTorch's logger, which programs configure
+
+
+def _as_poptorch_logger_allows(record):
+    """A program that quietens PopTorch's logger
+    (``logging.getLogger("poptorch::python").setLevel(logging.ERROR)``, as
+    Graphcore's BERT does) quietens this package's too."""
+    level = logging.getLogger(POPTORCH_LOGGER).level      # NOTSET unless a program set it
+    return level == logging.NOTSET or record.levelno >= level
 
 
 _install_log_handler()

@@ -41,13 +41,22 @@ class DataLoader(torch.utils.data.DataLoader):
         self._accessor = None
         o = options
         ga = o.Training.gradient_accumulation
-        self._combine = o.device_iterations * (o.replication_factor // o.input_group_size) * ga
+        # PopTorch's attribute names: applications read _combined_batch_size
+        self._num_batches_to_combine = (o.device_iterations * ga
+                                        * (o.replication_factor // o.input_group_size))
         if batch_sampler is not None:
             if batch_size != 1 or shuffle:
                 raise ValueError("`batch_sampler` option is mutually exclusive with "
                                  "batch_size, shuffle.")
-            self._combined = None
-            super().__init__(dataset, batch_sampler=_Combine(batch_sampler, self._combine),
+            # PopTorch's rule: the sampler's batch_size (1 if it has none)
+            # times the batches combined per call
+            batch_size = getattr(batch_sampler, "batch_size", batch_size)
+            self._combined_batch_size = (None if batch_size is None
+                                         else batch_size * self._num_batches_to_combine)
+            self.batch_sampler_drop_last = drop_last
+            super().__init__(dataset, batch_sampler=_Combine(batch_sampler,
+                                                             self._num_batches_to_combine,
+                                                             drop_last),
                              num_workers=num_workers, **kwargs)
             self._start_async(mode, async_options, None)
             return
@@ -65,20 +74,20 @@ class DataLoader(torch.utils.data.DataLoader):
                     "Each of the processes takes whole combined batches of the dataset: "
                     "pass a batch_size, or auto_distributed_partitioning=False and give each "
                     "process its part yourself.")
-            self._combined = None
+            self._combined_batch_size = None
             super().__init__(dataset, batch_size=None, shuffle=bool(shuffle),
                              num_workers=num_workers, **kwargs)
             self._start_async(mode, async_options, None)
             return
-        self._combined = batch_size * self._combine
+        self._combined_batch_size = batch_size * self._num_batches_to_combine
         # Async with drop_last=False rebatches too: the worker then returns
         # the last, smaller batch itself (PopTorch's rule)
         rebatched = mode == DataLoaderMode.AsyncRebatched or (
-            mode == DataLoaderMode.Async and not drop_last and self._combined > 1)
+            mode == DataLoaderMode.Async and not drop_last and self._combined_batch_size > 1)
         n = len(dataset) if hasattr(dataset, "__len__") else None
         if n == 0:
             raise ValueError("The Dataset is empty")
-        step = self._combined * (processes if partition else 1)
+        step = self._combined_batch_size * (processes if partition else 1)
         if n is not None and not drop_last and n % step:
             logger.warning(
                 "The number of elements in the dataset (%d) is not divisible by the "
@@ -91,23 +100,25 @@ class DataLoader(torch.utils.data.DataLoader):
                     "the DataLoader already gives each process its own part of the dataset. "
                     "Pass auto_distributed_partitioning=False and let your sampler choose "
                     "each process's samples.")
-            kwargs["sampler"] = _process_part(o, n, self._combined, bool(shuffle), drop_last)
+            kwargs["sampler"] = _process_part(o, n, self._combined_batch_size, bool(shuffle),
+                                              drop_last)
             shuffle = False
         if persistent_workers is None:
             persistent_workers = num_workers > 0
-        loader_batch, loader_drop_last = self._combined, drop_last
+        loader_batch, loader_drop_last = self._combined_batch_size, drop_last
         if rebatched:
             self.rebatched_drop_last = drop_last
-            loader_batch, loader_drop_last = self._combined, False
+            loader_batch, loader_drop_last = self._combined_batch_size, False
             if rebatched_worker_size is not None:
-                assert rebatched_worker_size <= self._combined, (
+                assert rebatched_worker_size <= self._combined_batch_size, (
                     f"The rebatched_worker_size ({rebatched_worker_size}) must be <= to "
-                    f"the combined batch size ({self._combined})")
+                    f"the combined batch size ({self._combined_batch_size})")
                 loader_batch = rebatched_worker_size
         super().__init__(dataset, batch_size=loader_batch, shuffle=bool(shuffle),
                          num_workers=num_workers, drop_last=loader_drop_last,
                          persistent_workers=persistent_workers, **kwargs)
-        self._start_async(mode, async_options, self._combined if rebatched else None)
+        self._start_async(mode, async_options,
+                          self._combined_batch_size if rebatched else None)
 
     def _start_async(self, mode, async_options, rebatched_size):
         """Async modes: an ``AsynchronousDataAccessor`` over this loader."""
@@ -139,7 +150,7 @@ class DataLoader(torch.utils.data.DataLoader):
     @property
     def combinedBatchSize(self):
         """Samples per item: batch_size x deviceIterations x replicas x accumulation."""
-        return self._combined
+        return self._combined_batch_size
 
     @property
     def options(self):
@@ -347,10 +358,12 @@ class _ProcessPart(torch.utils.data.Sampler):
 
 
 class _Combine(torch.utils.data.Sampler):
-    """Concatenates ``n`` consecutive batches of a user's batch_sampler."""
+    """Concatenates ``n`` consecutive batches of a user's batch_sampler;
+    fewer than ``n`` left at the end make one last, smaller batch unless
+    ``drop_last`` (PopTorch's ``combined_batch_generator``)."""
 
-    def __init__(self, batch_sampler, n):
-        self.batch_sampler, self.n = batch_sampler, n
+    def __init__(self, batch_sampler, n, drop_last=True):
+        self.batch_sampler, self.n, self.drop_last = batch_sampler, n, drop_last
 
     def __iter__(self):
         pending = []
@@ -359,6 +372,9 @@ class _Combine(torch.utils.data.Sampler):
             if i % self.n == 0:
                 yield pending
                 pending = []
+        if pending and not self.drop_last:
+            yield pending
 
     def __len__(self):
-        return len(self.batch_sampler) // self.n
+        whole, rest = divmod(len(self.batch_sampler), self.n)
+        return whole + (1 if rest and not self.drop_last else 0)

@@ -99,14 +99,40 @@ class CPU:
         self._layer_to_call = layer_to_call
         self._ID = ID
         self._host = HostCallable(layer_to_call, str(ID))
+        # PopTorch's record of the last call: shapes, then persistent buffers
+        self.in_shapes = None
+        self.out_shapes = None
+        self.inputs = None
+        self.outputs = None
 
     def __call__(self, *inputs):
         from .capture import trace
         from .errors import Error
         if not trace.is_tracing():
-            return self._layer_to_call(*inputs)
-        if trace.tracing_training():
+            outputs = self._layer_to_call(*inputs)
+        elif trace.tracing_training():
             raise Error(f"CPU ops are only supported in inference graphs: the CPU op "
                         f"{self._ID!r} is called in a trainingModel. Compute it before "
                         "or after the model, or use an inferenceModel.")
-        return self._host.traced(inputs)
+        else:
+            outputs = self._host.traced(inputs)
+        self.in_shapes = [i.shape for i in inputs]
+        self.out_shapes = [o.shape for o in (
+            outputs if isinstance(outputs, (list, tuple)) else [outputs])]
+        return outputs
+
+    def registerPersistentData(self):
+        """Allocates zeroed host buffers of the last call's input and output
+        shapes (``inputs``, ``outputs``), as PopTorch does for its callback."""
+        self.inputs = [torch.zeros(i, device="cpu") for i in self.in_shapes]
+        self.outputs = [torch.zeros(o, device="cpu") for o in self.out_shapes]
+
+    def execute(self):
+        """Calls the function on ``inputs`` and copies its results into
+        ``outputs`` (PopTorch's callback body)."""
+        outs = self._layer_to_call(*self.inputs)
+        if isinstance(outs, (list, tuple)):
+            for persistent_output, output in zip(self.outputs, outs):
+                persistent_output.copy_(output)
+        else:
+            self.outputs[0].copy_(outs)

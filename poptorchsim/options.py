@@ -19,8 +19,14 @@ from ._api.option_groups import (  # noqa: F401 - poptorch.options.<name>, as Po
     FROZEN_MESSAGE, TensorLocationSettings, _check_positive_int, _DistributedOptions,
     _JitOptions, _OptionsDict, _PopartOptions, _PrecisionOptions, _TensorLocationOptions,
     _TrainingOptions)
-from ._api.strategies import PipelinedExecution, _IExecutionStrategy
+from ._api.option_extras import _CompilerOptions
+from ._api.strategies import (  # noqa: F401 - poptorch.options.<name>, as PopTorch has them
+    ParallelPhasedExecution, Phase, PipelinedExecution, SerialPhasedExecution,
+    ShardedExecution, Stage, _IExecutionStrategy)
+from ._api.graph_ops import Attribute  # noqa: F401 - poptorch.options.Attribute
 from .errors import Error
+
+BlockId = str  # poptorch.options.BlockId: a block's user_id
 
 
 class ConfigFileError(Exception):
@@ -28,7 +34,7 @@ class ConfigFileError(Exception):
     (``poptorch.options.ConfigFileError``, as PopTorch names it)."""
 
 
-class Options(_OptionsDict):
+class Options(_CompilerOptions, _OptionsDict):
     """PopTorch's ``poptorch.Options``.
 
     >>> opts = Options().deviceIterations(50).replicationFactor(2)
@@ -40,6 +46,7 @@ class Options(_OptionsDict):
         super().__init__(
             replication_factor=1,
             input_group_size=1,
+            input_cgt=enums.CommGroupType.Consecutive,
             device_iterations=1,
             log_dir=".",
             max_repeat_logs=4,

@@ -381,8 +381,8 @@ def test_exported_aliases_reach_new_interpreters_and_are_not_real(alias, tmp_pat
     installed = alias()
     installed.export(str(tmp_path / "shims"))
     assert (tmp_path / "shims" / "poptorch.py").exists(), installed.left
-    assert os.environ[aliases.ENV] == "poptorch=poptorchsim,popdist=poptorchsim.popdist", \
-        installed.left
+    assert os.environ[aliases.ENV] == ("poptorch=poptorchsim,popdist=poptorchsim.popdist,"
+                                       "popart=poptorchsim.popart"), installed.left
     child = subprocess.run(
         [sys.executable, "-c", "import poptorch, poptorch.optim, popdist.poptorch, poptorchsim;"
          "print(poptorch is poptorchsim, poptorch.optim.__name__, popdist.poptorch.__name__)"],

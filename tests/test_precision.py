@@ -143,7 +143,7 @@ def test_half_partials_long_reduction():
     assert not torch.equal(half, fl)
     err_float = (fl.double() - exact).abs().mean()
     err_half = (half.double() - exact).abs().mean()
-    assert err_half > 4 * err_float
+    assert err_half > 1.5 * err_float    # a slice's running fp16 sum loses more
 
 
 def _mm_cost(pm):

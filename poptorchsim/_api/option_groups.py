@@ -70,12 +70,31 @@ class _OptionsDict:
         self._values.update(kwargs)
         return self
 
-    def exists(self, key):
-        return key in self._values
+    def exists(self, option):
+        return option in self._values
 
-    def deleteIfExists(self, key):
+    def deleteIfExists(self, option):
         self._check_not_frozen()
-        self._values.pop(key, None)
+        self._values.pop(option, None)
+
+    def checkIsFrozen(self, option=None):
+        """Raises ``AttributeError`` if these options are frozen (PopTorch's
+        check before every change; ``option``: the attribute about to be set,
+        which PopTorch lets through when it is ``_is_frozen``)."""
+        if option != "_is_frozen":
+            self._check_not_frozen()
+
+    def update(self, other):
+        """Merges these values into the dict ``other`` and returns it;
+        ``AssertionError`` if they share a key (PopTorch's backend merge)."""
+        assert not set(self._values).intersection(other), (
+            "Can't merge dictionaries, they have some keys in common")
+        other.update(self._values)
+        return other
+
+    def __call__(self, option):
+        """``opts("device_iterations")``: the value of an option, by name."""
+        return getattr(self, option)
 
     def toDict(self):
         out = dict(self._values)
@@ -145,16 +164,27 @@ class _TrainingOptions(_OptionsDict):
         self._values["accumulation_and_replication_reduction_type"] = reduction_type
         return self
 
-    def setMeanAccumulationAndReplicationReductionStrategy(self, strategy):
-        if not isinstance(strategy, enums.MeanReductionStrategy):
+    def setMeanAccumulationAndReplicationReductionStrategy(self, mean_reduction_strategy):
+        if not isinstance(mean_reduction_strategy, enums.MeanReductionStrategy):
             raise ValueError("Expected a poptorch.MeanReductionStrategy")
         self._check_not_frozen()
-        self._values["meanAccumulationAndReplicationReductionStrategy"] = strategy
+        self._values["meanAccumulationAndReplicationReductionStrategy"] = (
+            mean_reduction_strategy)
         return self
 
     def setAutomaticLossScaling(self, enabled):
         self.set(auto_loss_scaling=bool(enabled))
         return self
+
+    def setConvolutionDithering(self, enabled):
+        """Lays convolutions with different parameters out from different
+        tiles, for tile balance.  Recorded (``convolution_dithering``): the
+        simulated tile mapping does not model dithering; ``MultiConv``'s
+        ``enableConvDithering`` is the per-convolution form."""
+        if not isinstance(enabled, bool):
+            raise AssertionError(f"Unexpected type {type(enabled)} for option "
+                                 "convolution_dithering. Expected <class 'bool'>")
+        return self.createOrSet(convolution_dithering=enabled)
 
 
 class _DistributedOptions(_OptionsDict):
@@ -200,8 +230,8 @@ class TensorLocationSettings(_OptionsDict):
     2 elements to go off chip and 8192 to be sharded.
     """
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, **default_values):
+        super().__init__(**default_values)
 
     def minElementsForOffChip(self, min_elements):
         """Tensors with fewer elements stay on chip."""
@@ -338,7 +368,8 @@ class _PopartOptions(_OptionsDict):
     The simulator reads the ones it models (``runtime/popart_options.py``'s
     ``MODELLED``: ``autoRecomputation``, ``syntheticDataMode``,
     ``automaticLossScalingSettings.*``, ...); setting any other logs once
-    per option name that the simulation ignores it."""
+    per option name that the simulation ignores it.  Its values live in
+    ``options`` (PopTorch's layout), not in ``_values``."""
 
     def __init__(self):
         super().__init__()
@@ -358,8 +389,15 @@ class _PopartOptions(_OptionsDict):
         return self.set("engineOptions", dict(engine_options))
 
     def setPatterns(self, patterns, level=2):
-        self.set("patterns", dict(patterns))
-        return self.set("patternsLevel", level)
+        """Overrides PopART's default patterns: ``{name: enabled}``, and
+        ``level`` (``popart::PatternsLevel``); stored under PopTorch's keys."""
+        assert isinstance(level, int)
+        assert isinstance(patterns, dict)
+        self.set("patterns_level", level)
+        return self.set("patterns", dict(patterns))
+
+    def toDict(self):
+        return dict(self.options)
 
     def __repr__(self):
         body = ", ".join(f"{k}={v!r}" for k, v in self.options.items())

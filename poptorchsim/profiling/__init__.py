@@ -1,6 +1,8 @@
 """Reports a person reads: a compiled model's simulation report written out as
 ``profile.json``, three PNG plots and one ``index.html`` page, and as text.
 
+``Channel`` is PopTorch's ``poptorch.profiling.Channel`` (tracepoints).
+
 The report itself (a JSON-ready dict) comes from
 ``PoplarExecutor.simulationReport()``; this package only presents it.
 matplotlib is optional: without it the JSON and the page are still written,
@@ -9,10 +11,11 @@ and the page says why it has no plots.
 import json
 import os
 
+from .channel import Channel  # noqa: F401 - poptorch.profiling.Channel
 from .page import render
 from .text import op_table, summary
 
-__all__ = ["write_report", "summary", "op_table", "load_reports", "find_reports"]
+__all__ = ["Channel", "write_report", "summary", "op_table", "load_reports", "find_reports"]
 
 REPORT_FILE = "profile.json"
 

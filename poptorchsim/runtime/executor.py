@@ -22,6 +22,7 @@ from . import cache, compiler, export, log_repeats, observe
 from . import optimizer_checks as opt_checks
 from .config import CompileConfig, output_mode
 from .engine_options import profiling_directory
+from .host_copies import _HostCopies
 from .inputs import ModelInputs
 from .perf import call_timeline, latency
 from .precision import GradientMonitor, keep_running_statistics_float
@@ -53,7 +54,7 @@ def _input_independent_outputs(compiled):
     return {k for k, t in enumerate(graph.outputs[:n]) if t.id not in dependent}
 
 
-class PoplarExecutor:
+class PoplarExecutor(_HostCopies):
     """A model wrapped for the simulated IPU (PopTorch's ``PoplarExecutor``)."""
 
     def __init__(self, model, options, training, optimizer=None):

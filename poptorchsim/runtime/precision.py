@@ -7,7 +7,8 @@ import torch
 
 from ..capture.mixed_precision import batch_norm_float_statistics
 from ..errors import Error
-from ..machine.precision import GradientWatch, Rounding, mark_partials
+from ..machine.gradient_watch import GradientWatch
+from ..machine.precision import Rounding, mark_partials
 from ..passes.loss_scaling import (add_gradient_statistics, add_loss_scale_update,
                                    mark_watched, settings as loss_scaling_settings)
 

@@ -7,7 +7,8 @@ the rounding: subnormals, values near fp16's largest, zeros of both signs."""
 import pytest
 import torch
 
-from poptorchsim.machine.precision import ROUNDS_LIKE_FP32
+from poptorchsim.machine.precision import (PARTIALS_CHUNK, ROUNDS_LIKE_FP32, SLICE_CHUNKS,
+                                           half_partials_mm)
 
 aten = torch.ops.aten
 
@@ -57,3 +58,51 @@ def test_native_fp16_kernel_equals_fp32_rounded(target):
     native = target(*args, **kwargs)
     assert native.dtype == torch.float16
     assert torch.equal(native.view(torch.int16), expected.view(torch.int16))
+
+
+def _half_partials_by_the_book(a, b):
+    """docs/precision.md's model, one step at a time: chunks of 16 products
+    summed in fp32 and added to a running fp16 sum, slice by slice of
+    ``SLICE_CHUNKS`` chunks; the slices' fp16 sums added pairwise as they
+    come (two of the same height at once), the rest from the last."""
+    a32, b32, k = a.float(), b.float(), a.shape[-1]
+    width, sums = SLICE_CHUNKS * PARTIALS_CHUNK, []
+    for i in range(0, k, width):
+        acc = None
+        for j in range(i, min(i + width, k), PARTIALS_CHUNK):
+            end = min(j + PARTIALS_CHUNK, k)
+            p = a32[..., j:end] @ b32[..., j:end, :]
+            acc = p.half() if acc is None else (acc.float() + p).half()
+        sums.append(acc)
+    stack = []
+    for p in sums:
+        height = 0
+        while stack and stack[-1][0] == height:
+            p = (stack.pop()[1].float() + p.float()).half()
+            height += 1
+        stack.append((height, p))
+    acc = stack.pop()[1]
+    while stack:
+        acc = (stack.pop()[1].float() + acc.float()).half()
+    return acc
+
+
+@pytest.mark.parametrize("shapes", [((8, 200), (200, 24)), ((20, 3000), (3000, 16)),
+                                    ((2, 16, 700), (2, 700, 8)), ((5, 4096), (4096, 3))],
+                         ids=str)
+def test_half_partials_follow_the_documented_model(shapes):
+    g = torch.Generator().manual_seed(1)
+    a, b = (torch.randn(s, generator=g).half() for s in shapes)
+    assert torch.equal(half_partials_mm(a, b), _half_partials_by_the_book(a, b))
+
+
+def test_half_partials_in_small_groups_give_the_same_tree(monkeypatch):
+    """Slices computed a few at a time (a large matmul's products kept
+    under the limit) are added in the same tree as all at once."""
+    from poptorchsim.machine import half_partials
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(6, 7000, generator=g).half(), torch.randn(7000, 10, generator=g).half()
+    whole = half_partials_mm(a, b)
+    monkeypatch.setattr(half_partials, "_PRODUCTS_LIMIT", 3000)     # 1 or 2 slices per group
+    assert torch.equal(half_partials_mm(a, b), whole)
+    assert torch.equal(whole, _half_partials_by_the_book(a, b))
