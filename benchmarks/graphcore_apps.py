@@ -21,6 +21,8 @@ written to a temporary directory put on PYTHONPATH:
   ``horovod.torch`` (init, rank 0 of size 1, broadcasts and allreduce as
   identities).  The applications import it at the top and use it only when
   launched with several instances.
+* ``dllogger`` (NVIDIA's, installed from git, not on PyPI; FastPitch logs
+  through it): ``init``, ``metadata``, ``flush`` do nothing, ``log`` prints.
 
 What cannot run is said in the table's result: a C++ custom op built
 against Poplar's headers (the Conformer's RemapCE ``custom_ops.so``), a
@@ -68,12 +70,31 @@ class Adasum: pass
 '''
 
 
+DLLOGGER = '''"""Stand-in for NVIDIA's dllogger (installed from git only): prints each log."""
+import enum, json
+class Verbosity(enum.IntEnum):
+    OFF = -1
+    DEFAULT = 0
+    VERBOSE = 1
+class Backend:
+    def __init__(self, verbosity=Verbosity.DEFAULT, *args, **kwargs): self.verbosity = verbosity
+class StdOutBackend(Backend): pass
+class JSONStreamBackend(Backend): pass
+def init(backends=()): pass
+def metadata(name, meta): pass
+def log(step, data, verbosity=Verbosity.DEFAULT):
+    print("DLL", step, json.dumps({k: str(v) for k, v in data.items()}), flush=True)
+def flush(): pass
+'''
+
+
 def make_stand_ins(directory):
     """Writes the stand-in modules under ``directory``; returns it."""
     hvd = Path(directory) / "horovod"
     hvd.mkdir(parents=True, exist_ok=True)
     (hvd / "__init__.py").write_text('__version__ = "0.24.3+poptorchsim-stand-in"\n')
     (hvd / "torch.py").write_text(HOROVOD_TORCH)
+    (Path(directory) / "dllogger.py").write_text(DLLOGGER)
     return directory
 
 
@@ -125,7 +146,7 @@ def steps_seen(pattern):
     """Programs with no step limit: stopped once ``steps`` steps have run;
     passes when they did, with no error before."""
     def check(out, rc, steps):
-        seen = len(re.findall(pattern, out))
+        seen = len(set(re.findall(pattern, out)))     # a step's line may be printed twice
         return seen >= steps and "Traceback" not in out, f"{seen} training steps ran"
     return check
 
@@ -133,7 +154,7 @@ def steps_seen(pattern):
 # one match per training step in each program's own output
 CONFORMER_STEP = r"Epochs: \d+/\d+, step: \d+/"                # src/trainer.py, every step
 FASTPITCH_STEP = r"(?m)^step:\s+\d+$|\bstep \d+ num_frame"      # train.py: 4 of 5, the 5th
-TQDM_STEP = r"\|\s*[1-9]\d*/\d+ \["                               # cnns train.py's progress bar
+TQDM_STEP = r"Accuracy:[\d.]+%[^\r\n]*?\|\s*([1-9]\d*)/\d+ \["       # cnns train.py's progress bar
 
 
 @dataclass
@@ -171,7 +192,7 @@ APPS = [
     App("fastpitch-train", "speech/fastpitch/pytorch",
         ["train.py", "--checkpoint-dir", "{tmp}", "--epochs", "1", "--learning-rate", "0.1",
          "--batch-size", "2", "--dur-predictor-loss-scale", "0.1", "--pitch-predictor-loss-scale",
-         "0.1", "--gradient-accumulation", "2", "--replication-factor", "1",
+         "0.1", "--gradient-accumulation", "4", "--replication-factor", "1",
          "--num-dataloader-workers", "2", "--generated-data"],
         steps_seen(FASTPITCH_STEP), default_steps=3, stop_after=FASTPITCH_STEP, timeout=1200),
     App("cnns-train-resnet18", "vision/cnns/pytorch",
@@ -230,7 +251,7 @@ def run(app, cwd, cmd, env, steps, timeout):
         if done and not chunk:
             break
         text = "".join(out)
-        if app.stop_after and steps and len(re.findall(app.stop_after, text)) >= steps:
+        if app.stop_after and steps and len(set(re.findall(app.stop_after, text))) >= steps:
             stopped = f"stopped after {steps} steps"
         elif time.monotonic() > deadline:
             stopped = f"timed out after {timeout} s"
