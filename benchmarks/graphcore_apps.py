@@ -130,8 +130,11 @@ def vit_pretrain(out, rc, steps):
 
 def bert_tiny(out, rc, steps):
     """bert tests/bert_tiny_test.py: loss falls, mlm_acc rises, mean mlm_acc of the last 10 > 0.85."""
-    losses = [float(m.group(1)) for m in re.finditer(r"loss: ([\d.]+)", out)]
-    accs = [float(m.group(1)) for m in re.finditer(r"mlm_acc: ([\d.]+)", out)]
+    # per line, the last match, as the test's greedy re.match(r".*(loss: ([\d.]+)).*") takes
+    losses = [float(m.group(2)) for m in map(re.compile(r".*(loss: ([\d.]+)).*").match,
+                                               out.split("\n")) if m]
+    accs = [float(m.group(2)) for m in map(re.compile(r".*(mlm_acc: ([\d.]+)).*").match,
+                                             out.split("\n")) if m]
     if not losses or not accs:
         return False, "no loss / mlm_acc lines"
     import numpy as np
