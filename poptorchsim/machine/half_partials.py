@@ -10,11 +10,12 @@ PARTIALS_CHUNK = 16
 
 def _accumulate_half(pieces):
     """Sum of fp32 ``pieces`` (an iterator of chunk sums) with the running
-    partial sum rounded to fp16 after each chunk (the fp16 sum and the fp32
-    chunk added in fp32: type promotion widens the fp16 one exactly)."""
+    partial sum rounded to fp16 after each chunk (the fp16 sum added into the
+    fp32 chunk, widened exactly, then copied back into the fp16 sum: the
+    rounding to nearest of a cast).  The pieces are overwritten."""
     acc = None
-    for p in pieces:
-        acc = p.to(HALF) if acc is None else torch.add(acc, p).to(HALF)
+    for p in pieces:                # in place: no fresh memory for each chunk
+        acc = p.to(HALF) if acc is None else acc.copy_(p.add_(acc))
     return acc
 
 
