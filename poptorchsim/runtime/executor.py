@@ -16,17 +16,17 @@ import torch.utils._pytree as pytree
 from .. import enums
 from ..capture.scopes import module_name_scopes
 from ..errors import Error, FloatingPointException
-from ..machine.codegen import batched_graph, serial_reason
-from ..machine.engine import Accumulation, Engine, OutputCollector
+from ..machine.engine import Engine, OutputCollector
 from . import cache, compiler, export, log_repeats, observe
 from . import optimizer_checks as opt_checks
 from .config import CompileConfig, output_mode
 from .engine_options import profiling_directory
 from .host_copies import _HostCopies
 from .inputs import ModelInputs
-from .perf import call_timeline, latency
+from .optimizer_handling import _OptimizerHandling
 from .precision import GradientMonitor, keep_running_statistics_float
-from .update import check_loss_scaling, update_plan
+from .results import _SimulationResults
+from .update import update_plan
 from .weights import DeviceWeights
 
 logger = logging.getLogger("poptorchsim")
@@ -54,7 +54,7 @@ def _input_independent_outputs(compiled):
     return {k for k, t in enumerate(graph.outputs[:n]) if t.id not in dependent}
 
 
-class PoplarExecutor(_HostCopies):
+class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
     """A model wrapped for the simulated IPU (PopTorch's ``PoplarExecutor``)."""
 
     def __init__(self, model, options, training, optimizer=None):
@@ -304,132 +304,6 @@ class PoplarExecutor(_HostCopies):
             self._keep_optimizer_state(self._optimizer)
 
     # -- the optimizer ---------------------------------------------------------------------
-    def _adopt_optimizer(self, optimizer):
-        """``optimizer`` becomes the model's: its ``state_dict()`` reads the
-        device state from now on, and, before compiling, a float16 gradient
-        accumulator switches the mean reduction to a running mean (PopTorch)."""
-        self._check_running_mean(optimizer)
-        self._attribute_tracker.check(optimizer)
-        if hasattr(optimizer, "_use_on_device"):
-            optimizer._use_on_device(self)
-
-    def _check_running_mean(self, optimizer):
-        if opt_checks.needs_running_mean(optimizer):
-            t = self._options.Training
-            if self._compiled is None:
-                self._options._unfreeze()
-                t.setMeanAccumulationAndReplicationReductionStrategy(
-                    enums.MeanReductionStrategy.Running)
-                self._options._freeze()
-            elif t.meanAccumulationAndReplicationReductionStrategy != \
-                    enums.MeanReductionStrategy.Running:
-                raise ValueError(
-                    "Invalid optimizer: the new optimizer would require changing options."
-                    "Training.meanAccumulationAndReplicationReductionStrategy to "
-                    "poptorch.MeanReductionStrategy.Running but the executable is already "
-                    "compiled.")
-
-    def _configure_batching(self):
-        """The micro-batches of one weight update run as one batched call
-        where the training step allows it (``codegen.serial_reason``) and no
-        anchor taps the step per micro-batch."""
-        e, step = self._engine, self._compiled.program.graphs[self._compiled.program.model_graph]
-        serial = (not self._training or self._observe.tap is not None
-                  or serial_reason(step) is not None)
-        e.batch_fn = None if serial else batched_graph(step)
-
-    def _configure_update(self):
-        """The engine runs the compiled update the way its plan says: state
-        slots read and written, gradient accumulators' types, running mean,
-        SGD1's accumulation into the velocity."""
-        c, e = self._compiled, self._engine
-        e.update_fn = c.update_fn
-        e.shards = self._shard_index()
-        plan = c.plan
-        e.slot_counts = [(len(read), len(written)) for read, written in c.slots]
-        into = list(range(len(c.slots))) if plan.into_state else []
-        if plan.running_mean or into or any(lay.grad_dtype != lay.dtype for lay in c.layouts):
-            e.accumulation = Accumulation([lay.grad_dtype for lay in c.layouts],
-                                          plan.running_mean, into)
-        else:
-            e.accumulation = None
-
-    def _read_optimizer_state(self, optimizer):
-        """``optimizer.state_dict()`` of the model's optimizer: the device state
-        is read into it."""
-        if self._options.connection_type == enums.ConnectionType.Never:
-            return              # never on a device: no state to read (PopTorch's None)
-        if optimizer is self._optimizer and self._compiled is not None and self._training:
-            self._keep_optimizer_state(optimizer)
-
-    def _keep_optimizer_state(self, optimizer):
-        """Device -> host: torch's state of ``optimizer``, and for a PopTorch
-        optimizer the device state its ``state_dict()`` returns (a state it
-        was loaded with and has not sent yet goes to the device first)."""
-        if optimizer is self._optimizer:
-            self._send_loaded_optimizer_state()
-        self._weights.optimizer_state_to_host(self._compiled, optimizer)
-        if hasattr(optimizer, "_state_dict"):
-            optimizer._state_dict = self._weights.read_device_state(self._compiled, optimizer)
-            optimizer.ipu_state_is_dirty = optimizer.host_state_is_dirty = False
-
-    def _send_loaded_optimizer_state(self):
-        """A state given to ``optimizer.load_state_dict`` goes to the device
-        before the next run."""
-        if self._training and getattr(self._optimizer, "ipu_state_is_dirty", False):
-            self._weights.write_device_state(self._compiled, self._optimizer)
-
-    def _group_tensor_names(self):
-        """{param group: its first trainable parameter's name}, for PopART's texts."""
-        c = self._compiled
-        names = {}
-        for n, g in zip(c.capture.trainable_names, c.group_of):
-            names.setdefault(g, n)
-        return names
-
-    def setOptimizer(self, optimizer):
-        """Uses ``optimizer`` from the next call on.
-
-        A variable attribute (PopTorch's ``variable_attrs``) changes without
-        recompiling; a constant one that changes is refused as PopART refuses
-        it.  A new optimizer object brings its own state.  A different
-        optimizer type, or the same type in another mode (Adam and AdamW,
-        SGD's separate and combined variants), is refused as PopART refuses
-        it, the model unchanged."""
-        opt_checks.optimizer_type(optimizer)
-        self._check_running_mean(optimizer)     # PopTorch's ValueError comes first
-        if self._compiled is None:
-            self._adopt_optimizer(optimizer)
-            self._optimizer = optimizer
-            return
-        c = self._compiled
-        settings, plan = update_plan(optimizer, c.program.accumulation,
-                                     self._config.running_mean, self._config.auto_loss_scaling)
-        opt_checks.check_same_type(self._opt_settings.type, settings.type)
-        opt_checks.check_replacement(self._opt_settings, settings, self._group_tensor_names())
-        check_loss_scaling(c, plan)
-        self._adopt_optimizer(optimizer)
-        new_object = optimizer is not self._optimizer
-        if new_object:
-            old = self._optimizer
-            self._keep_optimizer_state(old)
-            if hasattr(old, "_use_on_device"):
-                old._use_on_device(None)
-        self._optimizer = optimizer
-        self._opt_settings = settings
-        if plan != c.plan:
-            compiler.rebuild_update(c, self._user_model, optimizer, self._config)
-            self._configure_update()
-            self._observe.attach(c, self._engine)   # anchors read the new update
-            self._configure_batching()
-            self._load_optimizer_state()
-        elif new_object:
-            self._load_optimizer_state()
-        else:
-            self._weights.load_hyperparameters(c, self._optimizer)
-            self._send_loaded_optimizer_state()
-
-    # -- attach / detach ----------------------------------------------------------------
     def attachToDevice(self):
         self._require_compiled()
         if self._options.connection_type == enums.ConnectionType.Never:
@@ -470,111 +344,6 @@ class PoplarExecutor(_HostCopies):
         if ref is not None and ref() is self:
             del m.__dict__["_poptorchsim_wrapper"]
             m.__dict__.pop("destroy", None)
-
-    # -- simulation results -----------------------------------------------------------------
-    def memoryReport(self):
-        """The compiled program's memory per tile (``passes.memory.MemoryReport``)."""
-        self._require_compiled()
-        return self._compiled.memory
-
-    def cycleEstimate(self):
-        """Estimated cycles of one call, split compute/exchange/sync/host.
-        A program with conditionals (``poptorch.cond``) pays the longer
-        branch until it has run; then, the branches its last call took."""
-        self._require_compiled()
-        taken = self._branches_taken()
-        if taken:
-            return dict(compiler.estimate_with_branches(self._compiled, taken))
-        return dict(self._compiled.cycles)
-
-    def _branches_taken(self):
-        """{conditional op: [then, else] counts} of the last call, or None."""
-        engine = getattr(self, "_engine", None)
-        branches = getattr(getattr(engine, "step_fn", None), "branches", None)
-        return branches if branches and any(sum(v) for v in branches.values()) else None
-
-    def precisionReport(self):
-        """fp16 in the last training call: the loss scale (and, with automatic
-        loss scaling, its update factor and the scale after each weight
-        update), and how many fp16 values the backward pass computed
-        underflowed to zero or overflowed to infinity (against the same op
-        in fp32), with the ops that lost the most."""
-        self._require_compiled()
-        if not self._training:
-            return {"loss_scale": 1.0, "automatic_loss_scaling": None, "gradients": None}
-        return self._gradients.report(self._compiled, self._state)
-
-    def estimateSensitivity(self, top=None):
-        """How far to trust the throughput estimate: per cost-model constant
-        (``machine.constants``), the relative change of the samples/s
-        estimate with it x0.8 (``low``) and x1.2 (``high``), the constants
-        that move it most first (``top`` of them, or all).  Only the costs
-        are recomputed, not the graph."""
-        from .sensitivity import sensitivity
-        self._require_compiled()
-        amp = self._options.available_memory_proportion.get("IPU0", 0.6)
-        rows = [r.as_dict() for r in sensitivity(self._compiled, amp)]
-        return rows[:top] if top else rows
-
-    def simulationReport(self, sensitivity=False):
-        """Memory per tile, cycles per call and per op, liveness: a JSON-ready dict
-        (with ``sensitivity=True`` also ``estimateSensitivity()``'s rows)."""
-        from .report import build_report
-        self._require_compiled()
-        di, ga, rf = self._factors()
-        micro = self._compiled.capture.example_inputs
-        batch = micro[0].shape[0] if micro and micro[0].dim() else 1
-        report = build_report(self._compiled, self._model_name(), batch * di * ga * rf)
-        report["precision"] = self.precisionReport()
-        if sensitivity:
-            report["sensitivity"] = self.estimateSensitivity()
-        return report
-
-    def _model_name(self):
-        return getattr(self._options, "model_name",
-                       "training" if self._training else "inference")
-
-    def _record_perf(self, n_inputs, di, ga, rf):
-        c = self._compiled
-        program = c.program
-        if program.synthetic_data:        # no host IO, no perf counters (PopTorch)
-            self._perf = None
-            return
-        self._perf, self._sim_clock = call_timeline(
-            c.cycles, c.target, di, ga, rf, n_inputs, c.capture.n_tensor_outputs,
-            program.in_bytes, program.out_bytes, self._output_mode.name,
-            self._options.output_return_period, self._sim_clock)
-
-    def getPerfCounters(self):
-        """Simulated timestamps (seconds) of the last call: per tensor, per step."""
-        if self._perf is None:
-            return {k: [[]] for k in ("input", "input_complete", "output", "output_complete")}
-        return {k: [list(v) for v in rows] for k, rows in self._perf.items()}
-
-    def getHostIpuLatency(self):
-        """(min, max, avg) seconds from input to input_complete."""
-        return latency(self.getPerfCounters(), "input", "input_complete")
-
-    def getComputeLatency(self):
-        """(min, max, avg) seconds from input_complete to output."""
-        return latency(self.getPerfCounters(), "input_complete", "output")
-
-    def getIpuHostLatency(self):
-        """(min, max, avg) seconds from output to output_complete."""
-        return latency(self.getPerfCounters(), "output", "output_complete")
-
-    def getLatency(self):
-        """(min, max, avg) seconds from input to output_complete."""
-        return latency(self.getPerfCounters(), "input", "output_complete")
-
-    def compilationTime(self):
-        import datetime
-        if self._compiled is None:
-            raise Error("Please compile the model before obtaining compilation time.")
-        if not self._options.show_compilation_progress_bar:
-            raise Error("Please set showCompilationProgressBar option to obtain "
-                        "compilation time.")
-        return datetime.timedelta(seconds=self._compiled.compile_seconds)
 
     # -- running ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
