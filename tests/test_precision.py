@@ -281,3 +281,53 @@ def test_gradient_watch_counts_the_first_micro_batch_of_a_call():
         tm(x, y)
         counts.append(tm.precisionReport()["gradients"]["values"])
     assert counts[0] == counts[1] > 0
+
+
+def test_gradient_watch_counts_one_micro_batch_in_16_and_after_a_scale_change():
+    """Calls of one micro-batch: the watch counts the first call, then the
+    call 16 micro-batches on, and the first call after the loss scale
+    changed; the report names the call it counted."""
+    tm, net, x, y = _conv_training(1)
+    counted = []
+    for _ in range(18):
+        tm(x, y)
+        counted.append(tm.precisionReport()["gradients"]["counted_call"])
+    assert counted == [1] * 16 + [17, 17]
+    assert tm.precisionReport()["gradients"]["calls"] == 18
+    tm.setOptimizer(poptorch.optim.SGD(net.parameters(), lr=0.1, loss_scaling=32.0))
+    tm(x, y)
+    report = tm.precisionReport()
+    assert report["loss_scale"] == 32.0 and report["gradients"]["counted_call"] == 19
+
+
+def test_stochastic_round_of_a_mostly_zero_tensor_rounds_its_non_zeros_only():
+    """An embedding's gradient: 200,000 values, 1% of them 1.0001, the rest
+    zeros of either sign; the zeros stay (with their sign), the others take
+    the two neighbours of 1.0001 with its mean."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.zeros(200_000)
+    x[1::2] = -0.0
+    x[::100] = 1.0001
+    r = stochastic_round(x, g)
+    zeros = x == 0
+    assert torch.equal(torch.signbit(r[zeros]), torch.signbit(x[zeros]))
+    assert not r[zeros].any()
+    assert set(r[~zeros].unique().tolist()) == {1.0, 1.0009765625}
+    assert abs(r[~zeros].double().mean().item() - 1.0001) < 2e-2 * 2 ** -10
+
+
+class _MovesAndScales(torch.nn.Module):
+    def forward(self, x):
+        moved = torch.relu(torch.cat([x, -x], dim=1))
+        return moved * 1.0001
+
+
+def test_ops_that_only_move_fp16_values_do_not_round_stochastically():
+    """With stochastic rounding on, cat, neg and relu of fp16 values keep
+    their values (nothing to round); the multiplication rounds."""
+    x = torch.randn(2, 64).half()
+    _, pm = _infer(_MovesAndScales(), x, sr=True)
+    rows = {row["op"].split(".")[1]: row["rounding"]
+            for row in pm.simulationReport()["ops"] if row.get("dtype") == "float16"}
+    assert rows["cat"] == rows["neg"] == rows["relu"] == "nearest", rows
+    assert rows["mul"] == "stochastic", rows
