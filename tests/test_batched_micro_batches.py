@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import poptorchsim as poptorch
-from poptorchsim.machine.codegen import serial_reason
+from poptorchsim.machine.batching import serial_reason
 from conftest import quiet_options
 
 DI, GA, RF, MICRO = 2, 3, 2, 4
@@ -43,14 +43,36 @@ def _train(batched, extra=None, calls=2, configure=None, dtype=torch.float32):
     calls_made = []
     if tm._engine.batch_fn is not None:
         fn = tm._engine.batch_fn
-        tm._engine.batch_fn = lambda *a: calls_made.append(len(a[1][0])) or fn(*a)
+
+        def counted(*a):
+            calls_made.append(len(a[1][0]))
+            return fn(*a)
+        counted.tail, counted.n_boundary = fn.tail, fn.n_boundary
+        tm._engine.batch_fn = counted
     outs = [tm(x, y) for _ in range(calls)]
     return tm, outs, [p.detach().clone() for p in net.parameters()], calls_made
 
 
-def test_batched_equals_serial_within_fp32_rounding():
-    _, serial_outs, serial_weights, none = _train(False)
-    tm, outs, weights, calls = _train(True)
+class EvalNorm(nn.BatchNorm1d):
+    """Batch norm normalising with its running statistics in training too,
+    while still updating them: the step's outputs read its buffers."""
+
+    def forward(self, x):
+        out = nn.functional.batch_norm(x, self.running_mean.clone(), self.running_var.clone(),
+                                       self.weight, self.bias, False, 0.0, self.eps)
+        nn.functional.batch_norm(x.detach(), self.running_mean, self.running_var,
+                                 None, None, True, self.momentum, self.eps)
+        return out
+
+
+@pytest.mark.parametrize("extra", [None, "batchnorm"])
+def test_batched_equals_serial_within_fp32_rounding(extra):
+    """Batch norm's running statistics (and its counter) are updated
+    micro-batch by micro-batch in the serial order, per replica."""
+    make = (lambda: nn.Sequential(nn.BatchNorm1d(16), nn.ReLU(), nn.BatchNorm1d(16))) \
+        if extra else (lambda: None)
+    _, serial_outs, serial_weights, none = _train(False, make())
+    tm, outs, weights, calls = _train(True, make())
     assert none == [] and calls == [GA * RF] * (DI * 2)      # one call per weight update
     for a, b in zip(serial_outs, outs):
         for p, q in zip(a, b):
@@ -58,11 +80,21 @@ def test_batched_equals_serial_within_fp32_rounding():
             torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
     for p, q in zip(serial_weights, weights):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+    if extra:
+        serial_tm = _train(False, make())[0]
+        assert tm._engine.batch_fn.tail is not None
+        for r in range(RF):
+            assert len(tm._state.buffers[r]) == 6
+            for p, q in zip(serial_tm._state.buffers[r], tm._state.buffers[r]):
+                torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+        # each replica's statistics are its own micro-batches'
+        assert not torch.allclose(tm._state.buffers[0][0], tm._state.buffers[1][0])
+        assert int(tm._state.buffers[1][2]) == 2 * DI * GA
 
 
 @pytest.mark.parametrize("extra, configure, dtype, reason", [
     (nn.Dropout(0.5), None, torch.float32, "random"),
-    (nn.BatchNorm1d(16), None, torch.float32, "buffers the step writes"),
+    (EvalNorm(16), None, torch.float32, "reads its buffers"),
     (None, None, torch.float16, "fp16"),
 ])
 def test_programs_that_need_the_serial_order_keep_it(extra, configure, dtype, reason):
@@ -93,3 +125,53 @@ def test_a_step_vmap_cannot_batch_falls_back_to_serial():
     assert tm._engine.batch_fn is None
     for p, q in zip(serial_outs[0], out):
         torch.testing.assert_close(q, p, rtol=0, atol=0)
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.Conv2d(8, 8, 3, stride=2, bias=False), nn.BatchNorm2d(8),
+                                  nn.ReLU(), nn.Flatten(), nn.Linear(8 * 3 * 3, 5))
+        self.loss = nn.CrossEntropyLoss()
+
+    def forward(self, x, y):
+        out = self.body(x)
+        return out, self.loss(out, y)
+
+
+def _train_conv(batched, calls=2):
+    torch.manual_seed(0)
+    net = ConvNet()
+    opts = quiet_options().deviceIterations(DI).replicationFactor(RF)
+    opts.Training.gradientAccumulation(GA)
+    opts.outputMode(poptorch.OutputMode.All)
+    tm = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.1,
+                                                           momentum=0.9))
+    n = DI * GA * RF * MICRO
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 5, (n,), generator=g)
+    tm.compile(x, y)
+    if not batched:
+        tm._engine.batch_fn = None
+    outs = [tm(x, y) for _ in range(calls)]
+    return tm, outs, [p.detach().clone() for p in net.parameters()]
+
+
+def test_convolutions_with_batch_norm_batch_like_the_serial_order():
+    """A CNN with batch norm: the convolutions' weight gradients come from
+    one convolution backward over all micro-batches (summed), batch norm
+    runs row by row, its running statistics are updated in the serial
+    order per replica; all within fp32 rounding of the serial order."""
+    serial, serial_outs, serial_weights = _train_conv(False)
+    tm, outs, weights = _train_conv(True)
+    fn = tm._engine.batch_fn
+    assert fn is not None and fn.tail is not None and fn.deferred == 2
+    for a, b in zip(serial_outs, outs):
+        for p, q in zip(a, b):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    for p, q in zip(serial_weights, weights):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    for r in range(RF):
+        for p, q in zip(serial._state.buffers[r], tm._state.buffers[r]):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)

@@ -10,7 +10,7 @@ Repeat          runs its body ``count`` times, numbering the iterations of
                 its counter (``device_iteration`` picks the inputs' device
                 iteration, ``accumulation`` the micro-batch; the
                 accumulation loop starts a weight update's sums).  Where
-                the training step allows (``codegen.serial_reason``), the
+                the training step allows (``batching.serial_reason``), the
                 accumulation loop's calls of the step are collected as it
                 walks and run after it as one batched call (``vmap``, 16
                 micro-batches at a time): all replicas and micro-batches of
@@ -166,7 +166,7 @@ class Engine:
         self.slot_counts = None
         self.accumulation = None    # an Accumulation; None: plain sums
         # runs many micro-batches of the training step as one call
-        # (codegen.batched_graph); None: one after another
+        # (batching.batched_graph); None: one after another
         self.batch_fn = None
         self._batch = None          # (device iteration, micro-batch, replica) collected
         # the rule for each kind of control step (a subclass may override one)
@@ -278,21 +278,25 @@ class Engine:
     def _batchable(self):
         """May this weight update's micro-batches run as one batched call?
         (A batched function, plain gradient sums, no loss-scale statistics,
-        no written inputs; ``codegen.serial_reason`` checked the graph.)"""
+        no written inputs; ``batching.serial_reason`` checked the graph.)"""
         return (self.batch_fn is not None and self.accumulation is None
                 and self._scale is None and not self.n_writes)
 
     def _run_batched(self, batch, rows=16):
         """The training step of every (i, g, r) in ``batch``, ``rows`` at a
         time in one vmapped call: outputs kept in order, gradients summed
-        into the update's accumulators.  Should the batched call fail (an op
-        vmap cannot batch), the engine runs serially from then on."""
+        into the update's accumulators; the buffers a step writes are
+        updated micro-batch by micro-batch in the serial order by the
+        batched function's ``tail`` (``batching.batched_graph``).  Should
+        the batched call fail (an op vmap cannot batch), the engine runs
+        serially from then on."""
         state, u = self._state, self._update
         n_train, n_buf = state.n_trainable, len(state.buffers[0])
+        tail = getattr(self.batch_fn, "tail", None)
         shared = state.params + state.buffers[0]
-        if any(any(b is not c for b, c in zip(state.buffers[r], state.buffers[0]))
-               for r in range(1, len(state.buffers))):
-            shared = None           # replicas hold different buffers
+        if tail is None and any(any(b is not c for b, c in zip(state.buffers[r], state.buffers[0]))
+                                for r in range(1, len(state.buffers))):
+            shared = None           # replicas hold different buffers the step reads
         if len(batch) == 1:
             shared = None           # one micro-batch: the step itself, unbatched
         for start in range(0, len(batch), rows):
@@ -310,9 +314,12 @@ class Engine:
                     self._counters["device_iteration"], self._counters["accumulation"] = i, g
                     self._micro_batch(r)
                 continue
-            n_out = len(outs) - n_train - n_buf
+            n_out = len(outs) - n_train - (self.batch_fn.n_boundary if tail else n_buf)
             for k, (i, g, r) in enumerate(part):
                 self._collector.add(i, g, r, [o[k] for o in outs[:n_out]])
+                if tail is not None:
+                    state.buffers[r] = tail(state.buffers[r]
+                                            + [o[k] for o in outs[n_out + n_train:]])
             grads = [o.sum(0) for o in outs[n_out:n_out + n_train]]
             u.acc = grads if u.acc is None else [a + b for a, b in zip(u.acc, grads)]
             u.k += len(part)

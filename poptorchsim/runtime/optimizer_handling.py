@@ -6,7 +6,7 @@ compiled update plan.  ``executor.py`` mixes ``_OptimizerHandling`` into
 import torch
 
 from .. import enums
-from ..machine.codegen import batched_graph, serial_reason
+from ..machine.batching import batched_graph, serial_reason
 from ..machine.engine import Accumulation
 from . import compiler
 from . import optimizer_checks as opt_checks
@@ -45,12 +45,18 @@ class _OptimizerHandling:
 
     def _configure_batching(self):
         """The micro-batches of one weight update run as one batched call
-        where the training step allows it (``codegen.serial_reason``) and no
+        where the training step allows it (``batching.serial_reason``) and no
         anchor taps the step per micro-batch."""
-        e, step = self._engine, self._compiled.program.graphs[self._compiled.program.model_graph]
+        c, e = self._compiled, self._engine
+        step = c.program.graphs[c.program.model_graph]
         serial = (not self._training or self._observe.tap is not None
                   or serial_reason(step) is not None)
-        e.batch_fn = None if serial else batched_graph(step)
+        if serial:
+            e.batch_fn = None
+            return
+        # the gradients (summed over the micro-batches) end where the buffers begin
+        stop = len(step.outputs) - sum(t.role == "buffer" for t in step.inputs)
+        e.batch_fn = batched_graph(step, (stop - len(c.capture.trainable_names), stop))
 
     def _configure_update(self):
         """The engine runs the compiled update the way its plan says: state
