@@ -128,9 +128,16 @@ class _Passes:
 
 # -- the compile paths -----------------------------------------------------------------
 @collector.paused
-def compile_training(model, optimizer, args, kwargs, config):
+def compile_training(model, optimizer, args, kwargs, config, capture=None, traces=None,
+                     estimate_only=False):
     """``model`` and ``optimizer`` compiled for the example micro-batch
-    ``args``/``kwargs`` under ``config`` (a ``runtime.config.CompileConfig``)."""
+    ``args``/``kwargs`` under ``config`` (a ``runtime.config.CompileConfig``).
+
+    The planner (``runtime.planner``) compiles one model under many
+    configurations: ``capture``, an earlier compile's trace of the same
+    model, micro-batch and loss scaling, skips step 1; ``traces`` (a dict
+    kept between compiles) keeps the optimizer's traced update rules;
+    ``estimate_only`` stops after the estimate (no numerics, no code)."""
     c = config
     run = _Passes(c.show_progress)
     tensor_locations.check_settings(c.locations, c.io_tiles)
@@ -145,7 +152,8 @@ def compile_training(model, optimizer, args, kwargs, config):
             return capture_training(model, args, kwargs, in_optimizer, stack_traces=stack_traces,
                                     loss_scaling=plan.loss_scaling)
     run.stage("Tracing")
-    capture = trace(floating_point_checks(c.precision))                               # 1
+    if capture is None:
+        capture = trace(floating_point_checks(c.precision))                           # 1
     overlap = _check_overlap(capture, c.placement, c.io_tiles)
     run.done("trace")
     run.stage("Lowering")
@@ -153,9 +161,9 @@ def compile_training(model, optimizer, args, kwargs, config):
     run.done("lower")
     shards = sharded_state(model, optimizer, capture, c.locations, c.total_replicas, plan)
     unit_scale = c.accumulation * c.total_replicas == 1 and not plan.loss_scaling
-    update = build_update(model, optimizer, capture, plan, shards, unit_scale)         # 3
-    numeric, numeric_shards = numeric_update(model, optimizer, capture, plan, shards,
-                                             update, unit_scale)
+    update = build_update(model, optimizer, capture, plan, shards, unit_scale, traces)  # 3
+    numeric, numeric_shards = (update, shards) if estimate_only else numeric_update(
+        model, optimizer, capture, plan, shards, update, unit_scale)
     program = run.done("optimizer update", _program(
         "training", {"training_step": step, "optimizer_update": update.graph}, capture,
         overlap, c, sharded_state=set(shards)))
@@ -177,7 +185,9 @@ def compile_training(model, optimizer, args, kwargs, config):
                                + ([numeric.graph] if numeric is not update else []))
     program = run.done("precision", program)
     program, costs, memory, cycles, schedule = _plan(program, target, c, run)       # 10-14
-    step_fn, update_fn = compile_graph(step), compile_graph(numeric.graph)            # 15
+    step_fn = update_fn = None
+    if not estimate_only:
+        step_fn, update_fn = compile_graph(step), compile_graph(numeric.graph)        # 15
     run.done("generate code")
     return Compiled(capture, program, target, memory, costs, cycles, step_fn, update_fn,
                     plan.kind, numeric.group_of, numeric.flags, run.close(),
