@@ -337,7 +337,7 @@ class PipelinedBertForPretraining(nn.Module):
     layers by ``layers_per_ipu``, a recomputation checkpoint on every layer's
     output; masked positions gathered by a one-hot matmul; MLM + NSP losses."""
 
-    def __init__(self, config, layers_per_ipu, serialization=1):
+    def __init__(self, config, layers_per_ipu, serialization=1, blocks=True):
         import transformers
         super().__init__()
         m = transformers.BertForPreTraining(config)
@@ -346,6 +346,10 @@ class PipelinedBertForPretraining(nn.Module):
             decoder = _SerializedDecoder(config.hidden_size, config.vocab_size, serialization)
             decoder.weight = self.bert.embeddings.word_embeddings.weight     # tied
             self.cls.predictions.decoder = decoder
+        if not blocks:      # no split (the planner chooses one)
+            for layer in self.bert.encoder.layer:
+                layer.register_forward_hook(_checkpoint_outputs)
+            return
         self.bert.embeddings = poptorch.BeginBlock(self.bert.embeddings, "Embedding", ipu_id=0)
         ipu_of = [ipu for ipu, n in enumerate(layers_per_ipu) for _ in range(n)]
         for i, layer in enumerate(self.bert.encoder.layer):

@@ -214,8 +214,11 @@ def setLogLevel(level):
 def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=True,
                   options=None):
     """Proposes where to put ``BeginBlock``s to run ``model`` on ``num_ipus``
-    IPUs, balancing cycles and memory from the machine model.  Print the plan
-    to read why; ``.apply(model)`` adds the blocks.  ``example_inputs``: one
+    IPUs (None: the fewest that fit), balancing cycles from the traced graph
+    (the model never runs), then checks the split's memory tile by tile as
+    ``trainingModel`` would: ``plan.peak_tile`` per IPU, ``plan.fits``,
+    ``plan.ipus_needed``, ``plan.layers_per_ipu``.  Print the plan to read
+    why; ``.apply(model)`` adds the blocks.  ``example_inputs``: one
     micro-batch; ``options``: the IPU model to plan for
     (``Options.useIpuModelVersion``), else the environment's."""
     from .machine.targets import default_target
@@ -223,6 +226,25 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
     version = options._values.get("ipu_model_version") if options is not None else None
     return _suggest(model, num_ipus, *example_inputs, optimizer=optimizer,
                     training=training, target=default_target(version))
+
+
+def plan(model, example_inputs, ipus=16, optimizer=None, options=None, **search):
+    """Beyond PopTorch: searches the configurations of ``ipus`` IPUs that
+    ``model`` could train in (IPUs per replica and the layer split,
+    replication, micro-batch, gradient accumulation for ``global_batch=``,
+    available memory proportion, optimizer state on chip / off chip /
+    sharded, partials, recomputation), compiling each from one trace per
+    micro-batch. Returns a ``PlanResult``: print it for the ranked table
+    (fits, peak tile per IPU, estimated samples/s, why the rejected ones
+    fail); ``.best``, ``.plot(path)``, ``.to_json()``. ``example_inputs``:
+    one micro-batch (its first sample is repeated to each micro-batch
+    size); ``options``: the settings kept (precision, loss scaling, IPU
+    model). Keyword arguments go to ``runtime.planner.Planner.search``
+    (``micro_batches``, ``global_batch``, ``ipus_per_replica``, ``amps``,
+    ``optimizer_states``, ``partials``, ``recomputations``, ``include``).
+    docs/sizing.md walks through it."""
+    from .runtime.planner import plan as _plan
+    return _plan(model, example_inputs, ipus, optimizer, options, **search)
 
 
 def registerPreCompileHook(hook):

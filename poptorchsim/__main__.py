@@ -4,7 +4,8 @@ reports written under DIR by ``Options.enableProfiling(DIR)`` (or
 with the five cost-model constants each estimate depends on most
 (``executor.estimateSensitivity()``);
 ``python -m poptorchsim ops DIR`` lists the ATen operations each model uses,
-with their cost class and cycles."""
+with their cost class and cycles; ``python -m poptorchsim plan SCRIPT`` searches
+the IPU configurations SCRIPT's model could train in (``runtime/planner.py``)."""
 import argparse
 import json
 import os
@@ -40,6 +41,43 @@ def _report(args):
     return 0
 
 
+def _plan(args):
+    """Runs SCRIPT (which defines ``model`` and ``example_inputs``, and may
+    define ``optimizer`` and ``options``) and plans its configurations."""
+    import runpy
+
+    from .runtime.planner import plan
+    sys.argv = [args.script] + list(args.script_args)
+    try:
+        space = runpy.run_path(args.script, run_name="__poptorchsim_plan__")
+    except FileNotFoundError:
+        print(f"poptorchsim plan: no such script {args.script!r}", file=sys.stderr)
+        return 2
+    missing = [n for n in ("model", "example_inputs") if n not in space]
+    if missing:
+        print(f"poptorchsim plan: {args.script} must define {' and '.join(missing)} at its "
+              "top level (the model and one micro-batch of inputs, as a tuple); it may also "
+              "define optimizer and options.", file=sys.stderr)
+        return 2
+
+    def ints(text):
+        return tuple(int(v) for v in text.split(",")) if text else None
+    search = {"micro_batches": ints(args.micro_batches) or (1, 2, 4, 8, 16, 32),
+              "global_batch": args.global_batch,
+              "ipus_per_replica": ints(args.ipus_per_replica)}
+    if args.amps:
+        search["amps"] = tuple(float(v) for v in args.amps.split(","))
+    result = plan(space["model"], tuple(space["example_inputs"]), args.ipus,
+                  space.get("optimizer"), space.get("options"), **search)
+    print(result.table(limit=args.top))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "plan.json"), "w") as f:
+        json.dump(result.to_json(), f, indent=1)
+    png = result.plot(os.path.join(args.out, "plan.png"))
+    print(f"plot: {png}; all configurations: {os.path.join(args.out, 'plan.json')}")
+    return 0 if result.best is not None else 1
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m poptorchsim",
                                      description="poptorchsim command line tools")
@@ -58,6 +96,24 @@ def main(argv=None):
         command = commands.add_parser(name, help=help_text, description=description)
         command.add_argument("directory", metavar="DIR")
         command.set_defaults(run=_report)
+    command = commands.add_parser(
+        "plan", help="search the IPU configurations a model could train in",
+        description="Run SCRIPT (it defines model and example_inputs, one micro-batch; "
+                    "optionally optimizer and options), then compile the model under the "
+                    "configurations of --ipus IPUs a Graphcore engineer would try and print "
+                    "them ranked by estimated throughput, with why the rejected ones fail. "
+                    "Writes plan.json and plan.png (throughput against memory headroom).")
+    command.add_argument("script", metavar="SCRIPT")
+    command.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
+    command.add_argument("--ipus", type=int, default=16)
+    command.add_argument("--global-batch", type=int, default=None,
+                         help="samples per weight update (sets the gradient accumulation)")
+    command.add_argument("--micro-batches", default="", help="comma-separated, e.g. 1,2,4,8")
+    command.add_argument("--ipus-per-replica", default="", help="comma-separated, e.g. 4,8")
+    command.add_argument("--amps", default="", help="available memory proportions to try")
+    command.add_argument("--top", type=int, default=15, help="fitting rows to print")
+    command.add_argument("--out", default="plan_out", help="directory for plan.json, plan.png")
+    command.set_defaults(run=_plan)
     args = parser.parse_args(argv)
     return args.run(args)
 

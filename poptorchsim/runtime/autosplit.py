@@ -2,21 +2,23 @@
 
 ``suggest_split(model, num_ipus, *example_inputs)`` compiles the model once
 with every layer tagged as its own block (the trace finds the order the
-model calls them in), reads each layer's cycles (forward
-and backward) and memory (its parameters, optimizer state, gradients and
-activations) from the machine model, and splits the layers, in execution
-order, into ``num_ipus`` contiguous groups that balance both: it minimises the
-largest share a group has of the cycles or of the memory.  The plan explains
-itself and applies in one line: ``suggest_split(...).apply(model)``.
+model calls them in; the model never runs), reads each layer's cycles
+(forward and backward) and memory (its parameters, optimizer state,
+gradients and activations) from the machine model, and splits the layers, in
+execution order, into ``num_ipus`` contiguous groups that balance the cycles
+within the memory.  The split is then compiled as a pipeline (the planner's
+``runtime.planner.Planner``, reusing the trace) and every IPU's fullest tile
+checked; where it does not fit, the plan names how many IPUs do
+(``num_ipus=None``: the fewest that fit).  The plan explains itself and
+applies in one line: ``suggest_split(...).apply(model)``.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..capture import blocks as _blocks
+from ..errors import Error
 from ..machine.targets import default_target
-from . import compiler
-from .config import CompileConfig
 
 
 class _OneStagePerBlock:
@@ -44,6 +46,17 @@ class SplitPlan:
     groups: list                      # lists of layer indices, one per IPU
     target_name: str = "Mk2"
     notes: list = field(default_factory=list)
+    peak_tile: list = field(default_factory=list)   # bytes of each IPU's fullest tile
+    capacity: int = 0                 # bytes per tile
+    ipus_needed: int = None           # the fewest IPUs (1, 2, 4, ...) that fit; None: none
+
+    @property
+    def fits(self):
+        return bool(self.peak_tile) and max(self.peak_tile) <= self.capacity
+
+    @property
+    def layers_per_ipu(self):
+        return [len(g) for g in self.groups]
 
     @property
     def boundaries(self):
@@ -58,22 +71,26 @@ class SplitPlan:
 
     def explain(self):
         total_c = sum(l.cycles for l in self.layers) or 1.0
-        total_m = sum(l.memory for l in self.layers) or 1
-        lines = [f"Split over {self.num_ipus} {self.target_name} IPUs: the slowest IPU's "
-                 "share of the cycles made as small as it can be while each IPU's "
-                 f"memory stays under {MEMORY_BUDGET:.0%} of its capacity (shares of the "
-                 "whole model):"]
+        lines = [f"Split over {self.num_ipus} {self.target_name} IPUs (layers per IPU "
+                 f"{self.layers_per_ipu}): the slowest IPU's share of the cycles made as small "
+                 "as it can be, then the split compiled as a pipeline and its memory checked "
+                 "tile by tile, as trainingModel does:"]
         for ipu, g in enumerate(self.groups):
             c = sum(self.layers[i].cycles for i in g)
-            m = sum(self.layers[i].memory for i in g)
             names = ", ".join(self.layers[i].name for i in g)
-            lines.append(f"  IPU {ipu}: {c / total_c:6.1%} of cycles, {m / total_m:6.1%} of "
-                         f"memory ({m / 2**20:.1f} MiB)  <- {names}")
+            peak = (f"peak tile {self.peak_tile[ipu] / 1024:.1f} KiB of "
+                    f"{self.capacity / 1024:.0f} KiB"
+                    + ("" if self.peak_tile[ipu] <= self.capacity else " (does not fit)")
+                    if ipu < len(self.peak_tile) else "")
+            lines.append(f"  IPU {ipu}: {c / total_c:6.1%} of cycles, {peak}  <- {names}")
         worst = max(sum(self.layers[i].cycles for i in g) / total_c
                     for g in self.groups if g)
         lines.append(f"The slowest IPU does {worst:.1%} of the work; a perfect split would "
                      f"do {1 / self.num_ipus:.1%}, so pipelining gains about "
                      f"{1 / worst:.1f}x over one IPU before bubbles.")
+        if self.fits:
+            lines.append(f"It fits: {self.num_ipus} IPU{'s are' if self.num_ipus > 1 else ' is'}"
+                         " enough per replica at this micro-batch.")
         lines.append("Apply it with: plan.apply(model)  # BeginBlock at "
                      + ", ".join(f"{n} -> IPU {i}" for n, i in self.boundaries))
         lines.extend(self.notes)
@@ -141,60 +158,65 @@ def _partition(costs, mems, n, capacity):
 
 def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=True,
                   target=None):
-    """A ``SplitPlan`` placing ``model``'s layers on ``num_ipus`` IPUs.
+    """A ``SplitPlan`` placing ``model``'s layers on ``num_ipus`` IPUs (None:
+    as few as fit, from 1, 2, 4, ... up to 64).
 
-    ``example_inputs``: one micro-batch, as the model's forward takes it."""
+    ``example_inputs``: one micro-batch, as the model's forward takes it.
+    The layers' cycles and bytes come from one compile of the traced graph
+    (every layer its own stage; the model never runs); the split is then
+    compiled as a pipeline and checked as ``trainingModel`` would check it:
+    ``plan.peak_tile`` holds each IPU's fullest tile, and where it does not
+    fit, the plan says how many IPUs do (``plan.ipus_needed``)."""
+    from .planner import Configuration, Planner, stages_of
+    if not training:
+        raise Error("suggest_split plans training programs (an inference program holds a "
+                    "subset of their ops and memory): pass training=True.")
     target = target or default_target()
-    units = _layers(model, num_ipus)
-    by_name = dict(units)
-    # every candidate layer its own block: the trace records the layers in the
-    # order the model calls them (no eager run of the model to find it)
-    handles = [m.register_forward_pre_hook(
-        lambda mod, args, n=n: _blocks.enter_block(n, 0, args)) for n, m in units]
-    import logging
-    log = logging.getLogger("poptorchsim")
-    level = log.level
-    log.setLevel(logging.ERROR)       # the whole model need not fit one IPU here
-    try:
-        config = CompileConfig(training, target=target, show_progress=False, allow_oom=True,
-                               placement=_OneStagePerBlock())
-        if training:
-            optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.01)
-            compiled = compiler.compile_training(model, optimizer, example_inputs, {}, config)
-        else:
-            compiled = compiler.compile_inference(model, example_inputs, {}, config)
-    finally:
-        log.setLevel(level)
-        for h in handles:
-            h.remove()
-    units = [(n, by_name[n]) for n, _ in compiled.capture.blocks if n in by_name]
-    if len(units) < num_ipus:
-        from ..errors import Error
-        raise Error(f"The model has {len(units)} layers to split but {num_ipus} IPUs "
+    asked = num_ipus
+    first = num_ipus or 1
+    planner = Planner(model, example_inputs, optimizer, None, ipus=max(first, 64),
+                      max_ipus_per_replica=max(first, 8 if asked is None else first))
+    planner.base = replace(planner.base, target=target)
+    micro = example_inputs[0].shape[0] if example_inputs and hasattr(example_inputs[0], "shape") \
+        and example_inputs[0].dim() else 1
+    units = planner.units
+    if asked is not None and len(units) < asked:
+        raise Error(f"The model has {len(units)} layers to split but {asked} IPUs "
                     "were asked for; use fewer IPUs.")
-    name = "training_step" if training else "inference_forward"
-    graph, costs = compiled.program.graphs[name], compiled.costs[name]
-    stage_of = _OneStagePerBlock().assign(compiled.capture.blocks)
-    index = {stage: i for i, (n, _) in enumerate(units)
-             for b, (stage, _) in stage_of.items() if b == n}
-    cycles = [0.0] * len(units)
-    memory = [0] * len(units)
-    for op, cost in zip(graph.ops, costs):
-        i = index.get(op.stage, 0)
-        cycles[i] += cost.total
-        memory[i] += sum(t.nbytes for t in op.outputs if t is not None)
-    # weight, plus its gradient and optimizer state when training
-    state_per_param = 1
-    if training:
-        slots = compiled.slots[0][1] if compiled.slots else ()
-        state_per_param = 2 + len(slots)
-    for i, (n, m) in enumerate(units):
-        memory[i] += state_per_param * sum(p.numel() * p.element_size()
-                                           for p in m.parameters())
-    layers = [Layer(n, c, mem) for (n, _), c, mem in zip(units, cycles, memory)]
-    groups = _partition(cycles, memory, num_ipus, target.total_bytes)
-    plan = SplitPlan(num_ipus, layers, groups, target.name)
-    if any(sum(memory[i] for i in g) > MEMORY_BUDGET * target.total_bytes for g in groups):
-        plan.notes.append("Warning: some IPU still holds more than "
-                          f"{MEMORY_BUDGET:.0%} of its memory; use more IPUs.")
+    cycles, nbytes = planner.unit_costs(micro)
+
+    def check(k):
+        split = planner.splits(k, micro)[0]
+        stages = stages_of(split)
+        return split, planner.evaluate(Configuration(
+            micro, split, 1, 2 * stages if stages > 1 else 1))
+
+    split, result = check(first)
+    plan = _plan_of(units, cycles, nbytes, split, first, target, result)
+    k = first
+    while not result.fits and 2 * k <= min(64, len(units)):
+        k *= 2
+        _, result = check(k)
+        if result.fits or asked is None:
+            plan.ipus_needed = k if result.fits else None
+        if result.fits:
+            break
+    if asked is None and plan.ipus_needed and plan.ipus_needed != first:
+        split, result = check(plan.ipus_needed)
+        plan = _plan_of(units, cycles, nbytes, split, plan.ipus_needed, target, result)
+    elif not plan.fits:
+        plan.notes.append(
+            f"Warning: IPU {plan.peak_tile.index(max(plan.peak_tile))} does not fit (peak "
+            f"tile {max(plan.peak_tile) / 1024:.0f} KiB of {plan.capacity / 1024:.0f} KiB); "
+            + (f"{plan.ipus_needed} IPUs fit." if plan.ipus_needed else
+               "no split over up to 64 IPUs fits at this micro-batch: reduce it."))
+    return plan
+
+
+def _plan_of(units, cycles, nbytes, split, k, target, result):
+    groups = [[i for i, ipu in enumerate(split) if ipu == g] for g in range(k)]
+    layers = [Layer(n, c, m) for n, c, m in zip(units, cycles, nbytes)]
+    plan = SplitPlan(k, layers, groups, target.name, peak_tile=list(result.peak_tile),
+                     capacity=result.capacity)
+    plan.ipus_needed = k if result.fits else None
     return plan

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from ..capture import blocks as _blocks
 from ..errors import Error
 from . import compiler
-from .autosplit import _layers, _partition
+from .autosplit import _partition
 from .config import CompileConfig
 
 #: where the optimizer state lives -> TensorLocations settings
@@ -55,7 +55,7 @@ class Configuration:
     ipu_of_unit: tuple                # the IPU of each unit, in execution order
     replicas: int
     accumulation: int
-    amp: float = 0.6                  # available memory proportion (every IPU)
+    amp: object = 0.6                 # available memory proportion: one, or one per IPU
     optimizer_state: str = "on chip"  # a key of OPTIMIZER_STATE
     partials: str = "float"           # "float" or "half"
     recomputation: str = "default"    # a key of RECOMPUTATION
@@ -86,7 +86,7 @@ class Configuration:
         return (f"{self.ipus_per_replica} IPU{'s' if self.ipus_per_replica > 1 else ''} x "
                 f"{self.replicas} replica{'s' if self.replicas > 1 else ''}, layers {split}, "
                 f"micro-batch {self.micro_batch}, accumulation {self.accumulation}, "
-                f"AMP {self.amp:g}, optimizer state {self.optimizer_state}, "
+                f"AMP {_amp_text(self.amp)}, optimizer state {self.optimizer_state}, "
                 f"{self.partials} partials, recomputation {self.recomputation}")
 
 
@@ -129,6 +129,10 @@ class UnitPlacement:
                 stage, last = stage + 1, ipu
             out[name] = (stage, ipu)
         return out
+
+
+def _amp_text(amp):
+    return "[" + ", ".join(f"{a:g}" for a in amp) + "]" if isinstance(amp, tuple) else f"{amp:g}"
 
 
 def stages_of(ipu_of_unit):
@@ -177,7 +181,8 @@ class PlanResult:
         if bad:
             lines.append(f"rejected ({len(bad)}), for example:")
             for r in bad[:rejected]:
-                lines.append(f"     {r.config.describe(self.repeated)}: {r.reason}")
+                lines.append(f"     {r.config.describe(self.repeated)}: "
+                             + r.reason.splitlines()[0])
         lines.extend(self.notes)
         return "\n".join(lines)
 
@@ -223,9 +228,9 @@ class PlanResult:
 
 def _rebatched(example_inputs, micro):
     """The example inputs as a micro-batch of ``micro`` samples: the first
-    sample repeated (a view; compiling reads only shapes and types)."""
-    return tuple(x[:1].expand(micro, *x.shape[1:]) if isinstance(x, torch.Tensor) and x.dim()
-                 else x for x in example_inputs)
+    sample repeated (compiling reads only shapes and types)."""
+    return tuple(x[:1].expand(micro, *x.shape[1:]).contiguous()
+                 if isinstance(x, torch.Tensor) and x.dim() else x for x in example_inputs)
 
 
 class Planner:
@@ -245,7 +250,7 @@ class Planner:
         self.base = replace(base, show_progress=False, allow_oom=True, device_iterations=1)
         self.ipus = ipus
         self.max_ipus_per_replica = min(max_ipus_per_replica, ipus)
-        self.units = [n for n, _ in _layers(model, self.max_ipus_per_replica)]
+        self.units = [n for n, _ in units_of(model, self.max_ipus_per_replica)]
         self.repeated = _repeated(self.units)
         self._captures = {}           # micro-batch -> the trace
         self._traces = {}             # the optimizer's traced update rules
@@ -257,8 +262,9 @@ class Planner:
         precision = dict(self.base.precision or {})
         precision["partials"] = c.partials
         ipu_of = dict(zip(self.units, c.ipu_of_unit))
+        amp = dict(enumerate(c.amp)) if isinstance(c.amp, tuple) else c.amp
         return replace(
-            self.base, replicas=c.replicas, accumulation=c.accumulation, amp=c.amp,
+            self.base, replicas=c.replicas, accumulation=c.accumulation, amp=amp,
             locations={**(self.base.locations or {}), **OPTIMIZER_STATE[c.optimizer_state]},
             precision=precision, recomputation=RECOMPUTATION[c.recomputation],
             placement=UnitPlacement(ipu_of, pipelined=c.ipus_per_replica > 1))
@@ -357,10 +363,10 @@ class Planner:
         capacity = self.base.target.total_bytes
         out = [tuple(ipu for ipu, g in enumerate(_partition(cycles, nbytes, k, capacity))
                      for _ in g)]
-        if self.repeated:
-            first, last = min(self.repeated), max(self.repeated)
-            middle = list(range(first, last + 1))
-            ends = [i for i in range(n) if i < first or i > last]
+        first, last = (min(self.repeated), max(self.repeated)) if self.repeated else (0, n - 1)
+        middle = list(range(first, last + 1))
+        ends = [i for i in range(n) if i < first or i > last]
+        if ends and len(middle) >= k - 1:
             end_cycles = sum(cycles[i] for i in ends)
             best = None
             for j in range(0, len(middle) - (k - 1) + 1):
@@ -377,7 +383,8 @@ class Planner:
                 if best is None or load < best[0]:
                     best = (load, split)
             out.append(best[1])
-        return list(dict.fromkeys(out))
+        # every IPU holds a layer
+        return [s for s in dict.fromkeys(out) if len(set(s)) == k]
 
     # -- the search ------------------------------------------------------------------------------
     def search(self, micro_batches=(1, 2, 4, 8, 16, 32), global_batch=None,
@@ -447,6 +454,26 @@ class Planner:
         results.sort(key=lambda r: (not r.fits, -r.samples_per_second))
         return PlanResult(self.units, self.repeated, self.ipus, self.base.target.name,
                           results, time.perf_counter() - start, self.compiles)
+
+
+def units_of(model, k):
+    """The candidate layers of a split over up to ``k`` IPUs, in definition
+    order: the model's children, the largest expanded into its own children
+    until there are 3k of them, a numbered layer of a list
+    (``encoder.layer.3``) kept whole once there are k."""
+    units = [(n, m) for n, m in model.named_children()
+             if not isinstance(m, torch.nn.modules.loss._Loss)]
+    while len(units) < 3 * k:
+        expandable = [(sum(p.numel() for p in m.parameters()), i) for i, (n, m)
+                      in enumerate(units) if any(True for _ in m.children())
+                      and not (n.rpartition(".")[2].isdigit() and len(units) >= k)]
+        if not expandable:
+            break
+        _, i = max(expandable)
+        name, module = units[i]
+        units[i:i + 1] = [(f"{name}.{c}", m) for c, m in module.named_children()
+                          if not isinstance(m, torch.nn.modules.loss._Loss)]
+    return units
 
 
 def _repeated(units):
