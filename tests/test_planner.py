@@ -58,6 +58,9 @@ def test_an_evaluation_equals_the_compile_of_that_configuration():
     assert planner.units == [f"layers.{i}" for i in range(8)]
     split = (0, 0, 1, 1, 2, 2, 3, 3)
     got = planner.evaluate(Configuration(2, split, 2, 8, 0.45))
+    planner.evaluate(Configuration(2, split, 1, 8, 0.6, "off chip"))
+    again = planner.evaluate(Configuration(2, split, 2, 8, 0.45))     # from the kept trace
+    assert (again.peak_tile, again.samples_per_second) == (got.peak_tile, got.samples_per_second)
 
     torch.manual_seed(0)
     twin = Stack()

@@ -77,8 +77,18 @@ def capture_update(plan, layouts, n_groups, unit_scale=False, traces=None):
     """
     n_h, n_g = len(plan.hyper), len(plan.globals)
     if plan.max_grad_norm is None and layouts:
-        stitched = _update_by_parameter(plan, layouts, n_groups, unit_scale,
-                                        {} if traces is None else traces)
+        # the whole update kept too: the planner compiles the same update
+        # under many configurations (runtime/planner.py)
+        key = ("update", plan, tuple(layouts), n_groups, unit_scale)
+        try:
+            stitched = traces.get(key) if traces is not None else None
+        except TypeError:             # an unhashable plan: not kept
+            key = None
+        if stitched is None:
+            stitched = _update_by_parameter(plan, layouts, n_groups, unit_scale,
+                                            {} if traces is None else traces)
+            if traces is not None and key is not None and stitched is not None:
+                traces[key] = stitched
         if stitched is not None:
             return stitched
     rules = [_update_rule(plan, layout, unit_scale) for layout in layouts]

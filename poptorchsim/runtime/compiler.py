@@ -119,10 +119,11 @@ class _Passes:
             verify_program(program, after=name)
         return program
 
-    def close(self):
+    def close(self, collect=True):
         self.bar.update(1)
         self.bar.close()
-        collector.collect_young()
+        if collect:
+            collector.collect_young()
         return time.perf_counter() - self.start
 
 
@@ -190,7 +191,7 @@ def compile_training(model, optimizer, args, kwargs, config, capture=None, trace
         step_fn, update_fn = compile_graph(step), compile_graph(numeric.graph)        # 15
     run.done("generate code")
     return Compiled(capture, program, target, memory, costs, cycles, step_fn, update_fn,
-                    plan.kind, numeric.group_of, numeric.flags, run.close(),
+                    plan.kind, numeric.group_of, numeric.flags, run.close(not estimate_only),
                     plan.max_grad_norm, numeric_shards, plan, numeric.slots, numeric.layouts,
                     schedule=schedule, location_settings=c.locations, precision=c.precision,
                     rounding=rounding, watch=watch, auto_loss_scaling=c.auto_loss_scaling,

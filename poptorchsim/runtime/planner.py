@@ -74,10 +74,11 @@ class Configuration:
 
     def layers_per_ipu(self, repeated=None):
         """Units per IPU; ``repeated``: only the units whose indices it holds
-        (the repeated layers, as Graphcore's ``layers_per_ipu`` counts them)."""
+        (the repeated layers, as Graphcore's ``layers_per_ipu`` counts them;
+        empty or None: all units)."""
         counts = [0] * self.ipus_per_replica
         for i, ipu in enumerate(self.ipu_of_unit):
-            if repeated is None or i in repeated:
+            if not repeated or i in repeated:
                 counts[ipu] += 1
         return counts
 
@@ -151,6 +152,7 @@ class PlanResult:
     seconds: float = 0.0
     compiles: int = 0
     notes: list = field(default_factory=list)
+    included: list = field(default_factory=list)   # the configurations given to evaluate
 
     @property
     def fitting(self):
@@ -210,17 +212,23 @@ class PlanResult:
             if pts:
                 ax.scatter([100 * r.headroom for r in pts],
                            [r.samples_per_second for r in pts], **style)
+        for r in (self.find(c) for c in self.included):
+            if r is not None and r.samples_per_second > 0:
+                ax.scatter([100 * r.headroom], [r.samples_per_second], marker="*", s=180,
+                           facecolor="none", edgecolor="#1e8449", label="included (yours)")
         if self.best is not None:
             b = self.best
-            ax.annotate("best: " + b.config.describe(self.repeated).split(", AMP")[0],
-                        (100 * b.headroom, b.samples_per_second), fontsize=8,
-                        xytext=(5, 5), textcoords="offset points")
+            ax.scatter([100 * b.headroom], [b.samples_per_second], marker="o", s=160,
+                       facecolor="none", edgecolor="black", label="best")
+            import textwrap
+            fig.text(0.01, 0.01, textwrap.fill("best: " + b.config.describe(self.repeated), 110),
+                     fontsize=7, va="bottom")
         ax.axvline(0, color="grey", lw=0.8)
         ax.set_xlabel("memory headroom of the fullest tile (%)")
         ax.set_ylabel("estimated samples / s")
         ax.set_title(f"{len(self.results)} configurations on {self.ipus} {self.target_name} IPUs")
-        ax.legend()
-        fig.tight_layout()
+        ax.legend(fontsize=8)
+        fig.tight_layout(rect=(0, 0.07, 1, 1))
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return path
@@ -453,7 +461,8 @@ class Planner:
         bar.close()
         results.sort(key=lambda r: (not r.fits, -r.samples_per_second))
         return PlanResult(self.units, self.repeated, self.ipus, self.base.target.name,
-                          results, time.perf_counter() - start, self.compiles)
+                          results, time.perf_counter() - start, self.compiles,
+                          included=list(include))
 
 
 def units_of(model, k):
