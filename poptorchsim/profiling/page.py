@@ -22,7 +22,7 @@ img { max-width: 100%; height: auto; border: 1px solid #eee; }
 .wrap { max-width: 100%; overflow-x: auto; }
 table { border-collapse: collapse; font-size: 0.88em; max-width: 100%; }
 th, td { padding: 0.25em 0.7em; border-bottom: 1px solid #eee; text-align: left;
-         overflow-wrap: anywhere; word-break: break-word; }
+         overflow-wrap: break-word; }
 td.n, th.n { text-align: right; font-variant-numeric: tabular-nums; overflow-wrap: normal;
              word-break: normal; white-space: nowrap; }
 code { font-size: 0.95em; overflow-wrap: anywhere; }

@@ -189,7 +189,8 @@ def plot_liveness(report, path):
         _liveness_panel(ax, entry["liveness"], xlabel=ax is axes[-1])
         ax.set_title(f"IPU {entry['ipu']}", fontsize=10, loc="left")
     fig.suptitle("Not-always-live memory over the program (summed over each IPU's tiles)")
-    _margins(fig, top=0.7, hspace=0.3)
+    _margins(fig, top=0.7)
+    fig.subplots_adjust(hspace=0.3)
     _save(fig, path)
 
 

@@ -8,6 +8,11 @@ FOLD_ROWS = 25          # a table longer than this shows its first rows, the res
 FOLD_LINES = 60         # a program longer than this is folded
 
 
+def _breakable(text):
+    """Escaped ``text`` that may wrap after "/" and "." (op names, ATen ops)."""
+    return escape(text).replace("/", "/<wbr>").replace(".", ".<wbr>")
+
+
 def table(headers, rows, numeric=(), limit=FOLD_ROWS):
     """An HTML table in a wrapper that scrolls sideways rather than widen
     the page; rows past ``limit`` are folded in a <details> that says how
@@ -18,7 +23,7 @@ def table(headers, rows, numeric=(), limit=FOLD_ROWS):
     def body(part):
         return "".join(
             "<tr>" + "".join(f'<td class="n">{escape(str(c))}</td>' if i in numeric
-                             else f"<td>{escape(str(c))}</td>" for i, c in enumerate(row))
+                             else f"<td>{_breakable(str(c))}</td>" for i, c in enumerate(row))
             + "</tr>" for row in part)
 
     rows = list(rows)
