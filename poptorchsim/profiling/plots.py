@@ -73,6 +73,7 @@ def plot_memory(report, path, zoom_below=0.4, ipu=None):
     unit, div = byte_unit(max(cap, top))
     edges = np.arange(n + 1) - 0.5
     over = total > cap
+    parts = _always_live_parts(report, mem, always)
 
     fig = _figure(11, 7.2 if zoom else 4.6)
     axes = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1, 1.2]}) \
@@ -92,7 +93,10 @@ def plot_memory(report, path, zoom_below=0.4, ipu=None):
             ax.broken_barh(spans, (0, 1), transform=ax.get_xaxis_transform(),
                            facecolor=OVER, alpha=0.12, edgecolor=OVER, linewidth=0.6,
                            zorder=0, label=f"tiles over capacity ({int(over.sum())})")
-        layer(np.zeros(n), always, color=ALWAYS, label="always-live", zorder=2)
+        lower = np.zeros(n)
+        for label, part, color in parts:
+            layer(lower, lower + part, color=color, label=label, zorder=2)
+            lower = lower + part
         layer(always, total, color=NOT_ALWAYS, label="not-always-live (peak)", zorder=2)
         if saved.any():
             layer(total, total + saved, facecolor="none", edgecolor=ALWAYS, hatch="..",
@@ -127,10 +131,33 @@ def plot_memory(report, path, zoom_below=0.4, ipu=None):
     ax.set_title(f"Memory per tile: {which}'{report['model']}' on {target['name']} "
                  f"({n} tiles), {verdict}")
     handles, labels = ax.get_legend_handles_labels()
-    axes[-1].legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13),
-                    ncol=len(labels), fontsize=8, frameon=False)
-    _margins(fig, right=0.8, bottom=0.95)
+    ncol = min(len(labels), 4)
+    rows = -(-len(labels) // ncol)
+    _margins(fig, right=0.8, bottom=0.75 + 0.2 * rows)
+    # below the tile axis and its label: 0.5 in down, whatever the figure's height
+    below = 0.5 / (axes[-1].get_position().height * fig.get_size_inches()[1])
+    axes[-1].legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -below),
+                    ncol=ncol, fontsize=8, frameon=False)
     _save(fig, path)
+
+
+CODE, STATE, VARIABLES = "#27466F", "#8FAADC", ALWAYS
+
+
+def _always_live_parts(report, mem, always):
+    """(label, bytes per tile, colour) of the always-live layers: code, vertex
+    state and variables (with input stream buffers) where the report splits
+    them by category, else one always-live layer."""
+    cats = mem.get("categories")
+    if cats is None and report.get("ipus"):
+        cats = report["ipus"][0].get("categories")        # memory is IPU 0's
+    if not cats or len(cats.get("code", {}).get("per_tile", [])) != len(always):
+        return [("always-live", always, ALWAYS)]
+    code = np.asarray(cats["code"]["per_tile"], dtype=float)
+    state = np.asarray(cats["vertex_state"]["per_tile"], dtype=float)
+    return [("code (always-live)", code, CODE),
+            ("vertex state (always-live)", state, STATE),
+            ("variables and stream buffers (always-live)", always - code - state, VARIABLES)]
 
 
 def plot_cycles_by_op(report, path, top=20):
