@@ -141,7 +141,7 @@ def ipu_section(ipu, image=None, many=False):
     if image:
         parts.append(f"<p><img src='{escape(image)}' alt='memory per tile of IPU {k}'></p>")
     by_dtype = ipu.get("always_live_by_dtype") or {}
-    if by_dtype:
+    if by_dtype and many:            # one IPU: the page's line above says it
         parts.append(f"<p>Always-live variables on IPU {k} by dtype (over all its tiles; "
                      f"code and vertex state are not tensors): "
                      f"{escape(dtype_text(by_dtype))}.</p>")
