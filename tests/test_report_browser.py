@@ -45,6 +45,8 @@ def test_every_ipu_is_rendered_and_nothing_overflows(page, width):
     assert int(measured["scroll-width"]) <= width, measured["overflowing"]
     assert measured["overflowing"] == ""
     assert int(measured["ipu-sections"]) == 4
+    # every plot loaded: 4 memory plots, cycles, liveness, timeline
+    assert int(measured["images"]) == 7 and measured["broken-images"] == ""
     for k in range(4):                # each section with its heading and category table
         section = re.search(rf'<section class="ipu" id="ipu-{k}".*?</section>', dom, re.S)
         assert section and f"IPU {k}: memory" in section.group(0)

@@ -53,6 +53,11 @@ window.addEventListener('load', function () {
   out.setAttribute('data-inner-width', window.innerWidth);
   out.setAttribute('data-ipu-sections', document.querySelectorAll('section.ipu').length);
   out.setAttribute('data-overflowing', wide.slice(0, 10).join(' '));
+  var images = Array.prototype.slice.call(document.images);
+  out.setAttribute('data-images', images.length);
+  out.setAttribute('data-broken-images', images.filter(function (i) {
+    return !i.complete || i.naturalWidth === 0; }).map(function (i) {
+    return i.getAttribute('src'); }).join(' '));
   document.body.appendChild(out);
 });
 </script>"""
