@@ -127,7 +127,8 @@ def render(report, images, missing_plots=None, top_ops=20):
     parts.append("<h2>Memory" + (f" of the {len(entries)} IPUs" if many else "") + "</h2>")
     if not mem["fits"]:
         parts.append(
-            f"<p class='note'>{mem['tiles_over']} tiles need more than "
+            f"<p class='note'>{mem['tiles_over']} of {target['tiles'] * len(entries)} tiles"
+            f"{' (all IPUs)' if many else ''} need more than "
             f"their {escape(fmt_bytes(cap))}: this program would not load on a real IPU. "
             "Reduce the micro-batch size or the model, or split the model over more "
             "IPUs.</p>")
