@@ -12,9 +12,9 @@ DEVICE_ITERATIONS, ACCUMULATION, MICRO_BATCH = 2, 8, 4
 
 
 class FourBlocks(nn.Module):
-    def __init__(self):
+    def __init__(self, widths=WIDTHS):
         super().__init__()
-        w = WIDTHS
+        w = widths
         self.b0 = poptorchsim.BeginBlock(nn.Linear(w[0], w[1]), "b0", ipu_id=0)
         self.b1 = poptorchsim.BeginBlock(nn.Linear(w[1], w[2]), "b1", ipu_id=1)
         self.b2 = poptorchsim.BeginBlock(nn.Linear(w[2], w[3]), "b2", ipu_id=2)
@@ -29,13 +29,13 @@ class FourBlocks(nn.Module):
         return out, self.loss(out, y)
 
 
-def batch():
+def batch(width=WIDTHS[0]):
     n = DEVICE_ITERATIONS * ACCUMULATION * MICRO_BATCH
     g = torch.Generator().manual_seed(0)
-    return torch.randn(n, WIDTHS[0], generator=g), torch.randint(0, 4, (n,), generator=g)
+    return torch.randn(n, width, generator=g), torch.randint(0, 4, (n,), generator=g)
 
 
-def compile_four_ipus(profile_dir, loss_scaling=128.0):
+def compile_four_ipus(profile_dir, loss_scaling=128.0, widths=WIDTHS):
     """The training model, compiled with its report written to
     ``profile_dir`` (a loss scale, so the program unscales gradients)."""
     opts = poptorchsim.Options().deviceIterations(DEVICE_ITERATIONS)
@@ -44,8 +44,8 @@ def compile_four_ipus(profile_dir, loss_scaling=128.0):
     opts.setExecutionStrategy(poptorchsim.PipelinedExecution(
         poptorchsim.AutoStage.AutoIncrement))
     opts.enableProfiling(str(profile_dir))
-    model = FourBlocks()
+    model = FourBlocks(widths)
     optimizer = poptorchsim.optim.SGD(model.parameters(), lr=0.1, loss_scaling=loss_scaling)
     training = poptorchsim.trainingModel(model, opts, optimizer=optimizer)
-    training.compile(*batch())
+    training.compile(*batch(widths[0]))
     return training

@@ -51,6 +51,27 @@ def test_json_has_every_ipu_with_its_own_fullest_tile(four):
     assert mem["always_live_by_dtype"] == summed
 
 
+def test_one_ipu_over_capacity_is_the_one_reported(tmp_path, monkeypatch):
+    """IPU 1 overflows while IPU 0 fits: the verdict, the text and the page
+    say so (they used to describe IPU 0 alone)."""
+    monkeypatch.setenv("POPTORCHSIM_SMALL_IPU_MODEL", "1")     # 4 tiles x 624 KiB
+    compile_four_ipus(tmp_path, widths=(16, 512, 1024, 32))   # 2 MiB of weights on IPU 1
+    (report,) = load_reports(str(tmp_path))
+    fits = [r["fits"] for r in report["ipus"]]
+    assert fits[0] and not fits[1]
+    mem = report["memory"]
+    assert not mem["fits"] and mem["peak_ipu"] == 1
+    assert mem["tiles_over"] == sum(r["tiles_over"] for r in report["ipus"]) > 0
+    text = summary(report)
+    worst = report["ipus"][1]
+    assert "DOES NOT FIT" in text
+    assert f"IPU 1 peak tile {worst['peak_tile']} holds {fmt_bytes(worst['peak_bytes'])}" in text
+    html = (tmp_path / "training" / "index.html").read_text()
+    sections = dict(re.findall(r"<section class='ipu' id='ipu-(\d)'.*?<p class='(\w+)'>", html,
+                               re.S))
+    assert sections["0"] == "ok" and sections["1"] == "bad"
+
+
 def test_memory_by_category_adds_up(four):
     training, report, _ = four
     code = report["target"]["code_bytes_per_tile"]
