@@ -42,6 +42,12 @@ class MemoryReport:
     not_always_live_without_recomputation: np.ndarray = None
     # every IPU's report, on IPU 0's (runtime/compiler.py sets it)
     ipus: list = field(default_factory=list)
+    # The parts of ``always_live`` besides the variables: vertex state
+    # (``VERTEX_STATE_BYTES`` per op on each tile it runs on) and the
+    # target's control code per tile; variable -> role ("param", "input", ...).
+    vertex_state: np.ndarray = None
+    code_bytes_per_tile: int = 0
+    roles: dict = field(default_factory=dict)
 
     @property
     def saved_per_tile(self):
@@ -194,6 +200,7 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None, shared
     always = np.full(tiles, target.code_bytes_per_tile, dtype=np.int64)
     for v in by_tensor.values():
         always += v
+    vertex_state = np.zeros(tiles, dtype=np.int64)
     peak = np.zeros(tiles, dtype=np.int64)
     plain = peak.copy()               # the peak without recomputation
     recomputation, recomputed_ops = "None", []
@@ -207,7 +214,7 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None, shared
                 continue
             temp_k, state_k = _op_memory(op, cost, tiles, ipu)
             temps.add(k, temp_k)
-            always += state_k
+            vertex_state += state_k
         # off-chip variables this graph loads
         temps.loads = [loaded[t.name] for t in graph.inputs if t.name in loaded]
         offload = phased and program.activations_off_chip
@@ -229,12 +236,16 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None, shared
             plain = np.maximum(plain, usage.max(axis=0).astype(np.int64))
         if len(usage):
             peak = np.maximum(peak, usage.max(axis=0).astype(np.int64))
+    always += vertex_state
     return MemoryReport(target.bytes_per_tile, always, peak, by_tensor, graphs, ipu,
                         saved, streaming,
                         {name: dtype_name(variables[name].dtype) for name in by_tensor},
                         recomputation=recomputation, recomputed_ops=recomputed_ops,
                         not_always_live_without_recomputation=(
-                            plain if recomputed_ops else None))
+                            plain if recomputed_ops else None),
+                        vertex_state=vertex_state,
+                        code_bytes_per_tile=target.code_bytes_per_tile,
+                        roles={name: variables[name].role for name in by_tensor})
 
 
 def variable_phases(program):

@@ -28,7 +28,8 @@ def _jsonable(value):
 
 
 def write_report(report, directory):
-    """Writes ``profile.json``, ``memory.png``, ``cycles_by_op.png``,
+    """Writes ``profile.json``, ``memory.png`` (IPU 0; ``memory_ipuK.png``
+    for every other IPU K), ``cycles_by_op.png``,
     ``liveness.png``, ``timeline.png``, ``timeline.json`` (Chrome trace of the
     pipeline schedule) and ``index.html`` into ``directory`` (created if need
     be); returns {"json", "memory", "cycles_by_op", "liveness", "timeline",
@@ -49,6 +50,15 @@ def write_report(report, directory):
         for key, (name, draw) in plots.PLOTS.items():
             path = os.path.join(directory, name)
             draw(report, path)
+            written[key], images[key] = path, name
+        # IPU 0's memory is memory.png; every other IPU's its own plot
+        for entry in (report.get("ipus") or [])[1:plots.MAX_PANELS]:
+            if "always_live" not in entry:
+                continue
+            key = f"memory_ipu{entry['ipu']}"
+            name = key + ".png"
+            path = os.path.join(directory, name)
+            plots.plot_memory(report, path, ipu=entry)
             written[key], images[key] = path, name
 
     if report.get("pipeline"):

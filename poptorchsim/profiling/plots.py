@@ -7,7 +7,7 @@ bar per tile, so 1472 tiles draw as fast as 4.
 """
 import numpy as np
 
-from .text import byte_unit, fmt_bytes, fit_line, op_label
+from .text import byte_unit, fmt_bytes, op_label
 
 ALWAYS = "#4C72B0"
 NOT_ALWAYS = "#DD8452"
@@ -54,15 +54,18 @@ def _runs(mask):
     return list(zip(edges[0::2], edges[1::2] - edges[0::2]))
 
 
-def plot_memory(report, path, zoom_below=0.4):
+def plot_memory(report, path, zoom_below=0.4, ipu=None):
     """Always-live and not-always-live bytes per tile, stacked, against the
     tile's capacity; tiles over it shaded red.  When the fullest tile uses
-    less than ``zoom_below`` of capacity a second panel zooms in on the data."""
-    mem, target = report["memory"], report["target"]
+    less than ``zoom_below`` of capacity a second panel zooms in on the data.
+    ``ipu``: an entry of the report's ``ipus`` (default: IPU 0)."""
+    mem, target = ipu or report["memory"], report["target"]
     always = np.asarray(mem["always_live"], dtype=float)
     total = np.asarray(mem["total"], dtype=float)
     saved = np.asarray(mem.get("saved_per_tile", np.zeros(len(total))), dtype=float)
     cap = float(mem["capacity"])
+    over_n = int((total > cap).sum())
+    verdict = "fits" if not over_n else f"DOES NOT FIT: {over_n} tiles over capacity"
     n = len(total)
     peak = mem["peak_tile"]
     top = (total + saved).max(initial=0)
@@ -70,6 +73,7 @@ def plot_memory(report, path, zoom_below=0.4):
     unit, div = byte_unit(max(cap, top))
     edges = np.arange(n + 1) - 0.5
     over = total > cap
+    parts = _always_live_parts(report, mem, always)
 
     fig = _figure(11, 7.2 if zoom else 4.6)
     axes = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1, 1.2]}) \
@@ -89,7 +93,10 @@ def plot_memory(report, path, zoom_below=0.4):
             ax.broken_barh(spans, (0, 1), transform=ax.get_xaxis_transform(),
                            facecolor=OVER, alpha=0.12, edgecolor=OVER, linewidth=0.6,
                            zorder=0, label=f"tiles over capacity ({int(over.sum())})")
-        layer(np.zeros(n), always, color=ALWAYS, label="always-live", zorder=2)
+        lower = np.zeros(n)
+        for label, part, color in parts:
+            layer(lower, lower + part, color=color, label=label, zorder=2)
+            lower = lower + part
         layer(always, total, color=NOT_ALWAYS, label="not-always-live (peak)", zorder=2)
         if saved.any():
             layer(total, total + saved, facecolor="none", edgecolor=ALWAYS, hatch="..",
@@ -119,13 +126,38 @@ def plot_memory(report, path, zoom_below=0.4):
     if n <= 32:
         axes[-1].set_xticks(range(n))
     axes[-1].set_xlabel("tile")
-    ax.set_title(f"Memory per tile: '{report['model']}' on {target['name']} "
-                 f"({n} tiles), {fit_line(report)}")
+    many = len(report.get("ipus") or []) > 1
+    which = f"IPU {mem.get('ipu', 0)} of " if many else ""
+    ax.set_title(f"Memory per tile: {which}'{report['model']}' on {target['name']} "
+                 f"({n} tiles), {verdict}")
     handles, labels = ax.get_legend_handles_labels()
-    axes[-1].legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13),
-                    ncol=len(labels), fontsize=8, frameon=False)
-    _margins(fig, right=0.8, bottom=0.95)
+    ncol = min(len(labels), 4)
+    rows = -(-len(labels) // ncol)
+    _margins(fig, right=0.8, bottom=0.75 + 0.2 * rows)
+    # below the tile axis and its label: 0.5 in down, whatever the figure's height
+    below = 0.5 / (axes[-1].get_position().height * fig.get_size_inches()[1])
+    axes[-1].legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -below),
+                    ncol=ncol, fontsize=8, frameon=False)
     _save(fig, path)
+
+
+CODE, STATE, VARIABLES = "#27466F", "#8FAADC", ALWAYS
+
+
+def _always_live_parts(report, mem, always):
+    """(label, bytes per tile, colour) of the always-live layers: code, vertex
+    state and variables (with input stream buffers) where the report splits
+    them by category, else one always-live layer."""
+    cats = mem.get("categories")
+    if cats is None and report.get("ipus"):
+        cats = report["ipus"][0].get("categories")        # memory is IPU 0's
+    if not cats or len(cats.get("code", {}).get("per_tile", [])) != len(always):
+        return [("always-live", always, ALWAYS)]
+    code = np.asarray(cats["code"]["per_tile"], dtype=float)
+    state = np.asarray(cats["vertex_state"]["per_tile"], dtype=float)
+    return [("code (always-live)", code, CODE),
+            ("vertex state (always-live)", state, STATE),
+            ("variables and stream buffers (always-live)", always - code - state, VARIABLES)]
 
 
 def plot_cycles_by_op(report, path, top=20):
@@ -164,10 +196,33 @@ def plot_cycles_by_op(report, path, top=20):
     _save(fig, path)
 
 
+MAX_PANELS = 16
+
+
 def plot_liveness(report, path):
-    live = {g: np.asarray(v, dtype=float) for g, v in report["liveness"].items() if len(v)}
-    fig = _figure(11, 4.2)
-    ax = fig.add_subplot()
+    """Live (not-always-live) bytes after each op of each graph, summed over
+    tiles: one panel per IPU when the program uses several."""
+    entries = [r for r in report.get("ipus") or [] if "liveness" in r][:MAX_PANELS]
+    if len(entries) < 2:
+        fig = _figure(11, 4.2)
+        _liveness_panel(fig.add_subplot(), report["liveness"])
+        fig.axes[0].set_title("Not-always-live memory over the program (summed over tiles)")
+        _margins(fig)
+        _save(fig, path)
+        return
+    fig = _figure(11, 1.0 + 2.2 * len(entries))
+    axes = fig.subplots(len(entries), 1, sharex=True)
+    for ax, entry in zip(axes, entries):
+        _liveness_panel(ax, entry["liveness"], xlabel=ax is axes[-1])
+        ax.set_title(f"IPU {entry['ipu']}", fontsize=10, loc="left")
+    fig.suptitle("Not-always-live memory over the program (summed over each IPU's tiles)")
+    _margins(fig, top=0.7)
+    fig.subplots_adjust(hspace=0.3)
+    _save(fig, path)
+
+
+def _liveness_panel(ax, liveness, xlabel=True):
+    live = {g: np.asarray(v, dtype=float) for g, v in liveness.items() if len(v)}
     largest = max((v.max() for v in live.values()), default=0.0)
     longest = max((len(v) for v in live.values()), default=0)
     unit, div = byte_unit(largest)
@@ -186,14 +241,12 @@ def plot_liveness(report, path):
         ax.text(0.5, 0.5, "no ops", ha="center", va="center", transform=ax.transAxes)
     ax.set_ylim(0, largest / div * 1.3 if largest else 1)
     ax.set_xlim(left=0)
-    ax.set_xlabel("op index in the graph (program order)")
-    ax.set_ylabel(f"live bytes, all tiles ({unit})")
-    ax.set_title("Not-always-live memory over the program (summed over tiles)")
+    if xlabel:
+        ax.set_xlabel("op index in the graph (program order)")
+    ax.set_ylabel(f"live bytes ({unit})")
     if live:
         ax.legend(loc="upper left", fontsize=8, ncol=len(live))
     ax.grid(alpha=0.3)
-    _margins(fig)
-    _save(fig, path)
 
 
 def plot_timeline(report, path):

@@ -32,18 +32,83 @@ def fmt_count(x):
     return f"{x:,.0f}"
 
 
-def fullest_tiles(report, n=5):
-    """The ``n`` tiles holding the most bytes, fullest first: (tile, bytes)."""
-    total = np.asarray(report["memory"]["total"])
+def fullest_tiles(report, n=5, ipu=None):
+    """The ``n`` tiles holding the most bytes, fullest first: (tile, bytes),
+    of IPU 0 (the report's ``memory``) or of ``ipu`` (an entry of ``ipus``)."""
+    total = np.asarray((ipu or report["memory"])["total"])
     order = np.argsort(-total, kind="stable")[:n]
     return [(int(t), int(total[t])) for t in order]
+
+
+def ipus(report):
+    """Every IPU's memory entry (older reports: IPU 0's from ``memory``)."""
+    found = report.get("ipus") or []
+    if found and "always_live" in found[0]:
+        return found
+    mem = report["memory"]
+    return [{"ipu": 0, "capacity": mem["capacity"], "peak_tile": mem["peak_tile"],
+             "peak_bytes": mem["peak_bytes"], "total_bytes": sum(mem["total"]),
+             "fits": mem["fits"], "tiles_over": mem["tiles_over"],
+             "always_live": mem["always_live"], "not_always_live": mem["not_always_live"],
+             "total": mem["total"], "categories": {},
+             "peak_tile_tensors": mem.get("peak_tile_tensors", []),
+             "always_live_by_dtype": mem.get("always_live_by_dtype", {}),
+             "liveness": report.get("liveness", {})}]
 
 
 def fit_line(report):
     mem, target = report["memory"], report["target"]
     if mem["fits"]:
         return "fits"
-    return f"DOES NOT FIT: {mem['tiles_over']} of {target['tiles']} tiles over capacity"
+    many = len(ipus(report)) > 1
+    return (f"DOES NOT FIT: {mem['tiles_over']} of {target['tiles']} tiles"
+            f"{' x ' + str(len(ipus(report))) + ' IPUs' if many else ''} over capacity")
+
+
+CATEGORIES = (("code", "code"), ("vertex_state", "vertex state"),
+              ("exchange_buffers", "exchange buffers"),
+              ("variables", "variables (always-live)"),
+              ("stream_buffers", "input stream buffers (always-live)"),
+              ("not_always_live", "not-always-live (peak)"))
+
+
+def category_line(ipu):
+    """The IPU's peak tile split by category ("code 24 KiB, vertex state
+    144 B, ..., exchange buffers not modelled")."""
+    cats = ipu.get("categories") or {}
+    parts = []
+    for key, label in CATEGORIES:
+        c = cats.get(key)
+        if c is None:
+            continue
+        parts.append(f"{label} {fmt_bytes(c['peak_tile_bytes'])}" if c["modelled"]
+                     else f"{label} not modelled")
+    return ", ".join(parts)
+
+
+def ipu_lines(report):
+    """A table of every IPU's fullest tile (when the program uses several)
+    and each IPU's peak tile split by category."""
+    rows = ipus(report)
+    lines = []
+    if len(rows) > 1:
+        lines.append("  memory per IPU:")
+        lines.append(f"    {'IPU':>3}  {'peak tile':>9}  {'peak bytes':>10}  {'% cap':>6}  "
+                     f"{'total bytes':>11}  fits")
+        for r in rows:
+            lines.append(f"    {r['ipu']:>3}  {r['peak_tile']:>9}  "
+                         f"{fmt_bytes(r['peak_bytes']):>10}  "
+                         f"{100 * r['peak_bytes'] / r['capacity']:5.1f}%  "
+                         f"{fmt_bytes(r['total_bytes']):>11}  "
+                         f"{'yes' if r['fits'] else 'NO (%d tiles over)' % r['tiles_over']}")
+    for r in rows:
+        if category_line(r):
+            lines.append(f"  IPU {r['ipu']} peak tile {r['peak_tile']} by category: "
+                         f"{category_line(r)}")
+        if len(rows) > 1 and r.get("always_live_by_dtype"):
+            lines.append(f"  IPU {r['ipu']} always-live variables by dtype: "
+                         f"{dtype_text(r['always_live_by_dtype'])}")
+    return lines
 
 
 def op_label(op):
@@ -78,11 +143,15 @@ def locations_lines(report):
             "per call"]
 
 
-def dtype_line(report):
-    """Always-live variable bytes per dtype ("float16 12 KiB, float32 3 KiB"),
-    or "" when the report has none."""
-    by = report["memory"].get("always_live_by_dtype") or {}
+def dtype_text(by):
+    """{dtype: bytes} as "float16 12 KiB, float32 3 KiB"."""
     return ", ".join(f"{d or '?'} {fmt_bytes(b)}" for d, b in by.items())
+
+
+def dtype_line(report):
+    """Always-live variable bytes per dtype over every IPU ("float16 12 KiB,
+    float32 3 KiB"), or "" when the report has none."""
+    return dtype_text(report["memory"].get("always_live_by_dtype") or {})
 
 
 def recomputation_line(report):
@@ -147,19 +216,24 @@ def summary(report, top=5):
     mem, cyc, target = report["memory"], report["cycles"], report["target"]
     cap = mem["capacity"]
     batching = report.get("batching", {})
+    rows = ipus(report)
+    worst = max(rows, key=lambda r: (r["peak_bytes"], -r["ipu"]))
+    where = f"IPU {worst['ipu']} " if len(rows) > 1 else ""
     lines = [
         f"Model '{report['model']}' ({report['kind']}) on {target['name']}: "
         f"{target['tiles']} tiles x {fmt_bytes(target['bytes_per_tile'])}, "
-        f"{target['clock_hz'] / 1e9:.2f} GHz",
-        f"Memory: {fit_line(report)}; peak tile {mem['peak_tile']} holds "
-        f"{fmt_bytes(mem['peak_bytes'])} of {fmt_bytes(cap)} "
-        f"({100 * mem['peak_bytes'] / cap:.1f}%)",
-        f"  fullest {min(top, target['tiles'])} tiles:",
+        f"{target['clock_hz'] / 1e9:.2f} GHz" + (f", {len(rows)} IPUs" if len(rows) > 1 else ""),
+        f"Memory: {fit_line(report)}; {where}peak tile {worst['peak_tile']} holds "
+        f"{fmt_bytes(worst['peak_bytes'])} of {fmt_bytes(cap)} "
+        f"({100 * worst['peak_bytes'] / cap:.1f}%)",
+        f"  fullest {min(top, target['tiles'])} tiles{' of ' + where.strip() if where else ''}:",
     ]
-    for tile, nbytes in fullest_tiles(report, top):
+    for tile, nbytes in fullest_tiles(report, top, worst if len(rows) > 1 else None):
         lines.append(f"    tile {tile:>5}  {fmt_bytes(nbytes):>10}  {100 * nbytes / cap:6.1f}%")
+    lines.extend(ipu_lines(report))
     if dtype_line(report):
-        lines.append(f"  always-live variables by dtype: {dtype_line(report)}")
+        lines.append(f"  always-live variables by dtype{' (all IPUs)' if where else ''}: "
+                     f"{dtype_line(report)}")
     if recomputation_line(report):
         lines.append(f"  {recomputation_line(report)}")
     per_call = cyc["per_call"]

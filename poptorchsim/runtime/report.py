@@ -6,7 +6,6 @@ disk as JSON, PNG plots and an HTML page.  Arrays over tiles are lists.
 import numpy as np
 
 from ..machine.precision import HALF, rounds_stochastically, uses_half_partials
-from ..passes.liveness import graph_liveness_profile
 from ..passes.memory import dtype_name
 
 
@@ -54,8 +53,15 @@ def build_report(compiled, name, samples_per_call):
     ops.sort(key=lambda r: -r["cycles_per_call"])
     cycles = dict(compiled.cycles)
     seconds = cycles["seconds"]
-    liveness = {g: graph_liveness_profile(graph, target.tiles).tolist()
-                for g, graph in program.graphs.items()}
+    reports = memory.ipus or [memory]
+    ipus = [ipu_memory(r, program) for r in reports]
+    liveness = {g: np.sum([ipu["liveness"][g] for ipu in ipus], axis=0).astype(np.int64).tolist()
+                for g in program.graphs}
+    worst = max(ipus, key=lambda r: (r["peak_bytes"], -r["ipu"]))
+    by_dtype = {}
+    for r in reports:
+        for d, b in r.bytes_by_dtype().items():
+            by_dtype[d] = by_dtype.get(d, 0) + b
     return {
         "model": name,
         "kind": program.kind,
@@ -70,13 +76,17 @@ def build_report(compiled, name, samples_per_call):
             "total": total.tolist(),
             "peak_tile": peak_tile,
             "peak_bytes": int(total[peak_tile]),
-            "fits": bool(total.max() <= memory.capacity),
-            "tiles_over": int((total > memory.capacity).sum()),
+            # the verdict covers every IPU; the arrays above are IPU 0's
+            "fits": all(r["fits"] for r in ipus),
+            "tiles_over": sum(r["tiles_over"] for r in ipus),
+            "peak_ipu": worst["ipu"], "peak_ipu_tile": worst["peak_tile"],
+            "peak_ipu_bytes": worst["peak_bytes"],
             "largest_on_peak_tile": [[n, b] for b, n in memory.largest_on(peak_tile, 10)],
             "peak_tile_tensors": [{"name": n, "dtype": d, "bytes": b}
                                   for n, d, b in memory.tensors_on(peak_tile, 10)],
             "always_live_bytes": int(memory.always_live.sum()),
-            "always_live_by_dtype": memory.bytes_by_dtype(),
+            "always_live_by_dtype": dict(sorted(by_dtype.items(),
+                                                key=lambda kv: (-kv[1], kv[0]))),
             "saved_per_tile": memory.saved_per_tile.tolist(),
             "recomputation": _recomputation(memory, cycles),
         },
@@ -94,10 +104,102 @@ def build_report(compiled, name, samples_per_call):
         "ops": ops,
         "liveness": liveness,
         "pipeline": _pipeline(program, compiled.schedule, target),
-        "ipus": [{"ipu": r.ipu, "peak_tile": int(np.argmax(r.total)),
-                  "peak_bytes": int(r.total.max()), "fits": bool(r.total.max() <= r.capacity),
-                  "total": r.total.tolist()}
-                 for r in (memory.ipus or [memory])],
+        "ipus": ipus,
+        "program_text": program_text(program),
+    }
+
+
+PROGRAM_TEXT_LINES = 3000
+
+
+def program_text(program, limit=PROGRAM_TEXT_LINES):
+    """The program as ``getIR()`` prints it, cut after ``limit`` lines."""
+    lines = str(program).splitlines()
+    if len(lines) > limit:
+        lines = lines[:limit] + [f"... {len(lines) - limit} more lines (print(getIR()))"]
+    return "\n".join(lines)
+
+
+NOT_MODELLED = {
+    "exchange_buffers": "not modelled separately: the operand slices a matmul or "
+                        "convolution receives over the exchange are counted among its "
+                        "temporaries (not-always-live)",
+}
+
+
+def _category(per_tile, peak, note, modelled=True):
+    per_tile = np.asarray(per_tile, dtype=np.int64)
+    return {"modelled": modelled, "note": note, "bytes": int(per_tile.sum()),
+            "peak_tile_bytes": int(per_tile[peak]) if len(per_tile) else 0,
+            "max_tile_bytes": int(per_tile.max(initial=0)), "per_tile": per_tile.tolist()}
+
+
+def memory_categories(r, peak):
+    """Memory per tile of one IPU split into PopVision's categories, as far
+    as the memory model knows them (``passes/memory.py``): the parts of
+    always-live memory (control code, vertex state, variables, input stream
+    buffers) and the not-always-live peak; a category the model does not
+    hold is marked ``modelled: False`` with no bytes."""
+    tiles = len(r.total)
+    code = np.full(tiles, r.code_bytes_per_tile, dtype=np.int64)
+    state = r.vertex_state if r.vertex_state is not None else np.zeros(tiles, np.int64)
+    variables = np.zeros(tiles, dtype=np.int64)
+    streams = np.zeros(tiles, dtype=np.int64)
+    for name, per_tile in r.by_tensor.items():
+        if getattr(r, "roles", {}).get(name) == "input":
+            streams += np.asarray(per_tile, dtype=np.int64)
+        else:
+            variables += np.asarray(per_tile, dtype=np.int64)
+    out = {
+        "code": _category(code, peak, "control code and runtime: the target's "
+                                      "code_bytes_per_tile on every tile"),
+        "vertex_state": _category(state, peak, "48 B per op on each tile its results "
+                                               "live on"),
+        "variables": _category(variables, peak, "always-live: weights, buffers, optimizer "
+                                                "state, accumulators, hyperparameters"),
+        "stream_buffers": _category(streams, peak, "always-live: input stream buffers "
+                                                   "the host writes"),
+        "not_always_live": _category(r.not_always_live, peak,
+                                     "each tile's peak of live intermediate tensors and "
+                                     "temporary buffers"),
+    }
+    for key, note in NOT_MODELLED.items():
+        out[key] = {"modelled": False, "note": note}
+    return out
+
+
+def ipu_memory(r, program):
+    """One IPU's memory: per tile, by category, its fullest tile, its
+    variables by dtype, and its live bytes after each op of each graph
+    (summed over its tiles, and on its peak tile)."""
+    total = r.total
+    peak = int(np.argmax(total))
+    liveness, at_peak, peak_step = {}, {}, {}
+    for g, graph in program.graphs.items():
+        usage = r.graphs.get(g, (np.zeros((0, len(total))),))[0]
+        if len(usage):
+            summed = np.rint(usage.sum(axis=1)).astype(np.int64)
+            on_peak = np.rint(usage[:, peak]).astype(np.int64)
+            k = int(np.argmax(summed))
+            peak_step[g] = {"step": k, "op": graph.ops[k].name, "bytes": int(summed[k])}
+        else:
+            summed = on_peak = np.zeros(0, dtype=np.int64)
+        liveness[g], at_peak[g] = summed.tolist(), on_peak.tolist()
+    return {
+        "ipu": r.ipu, "capacity": r.capacity, "tiles": len(total),
+        "peak_tile": peak, "peak_bytes": int(total[peak]),
+        "total_bytes": int(total.sum()),
+        "always_live_bytes": int(r.always_live.sum()),
+        "fits": bool(total.max() <= r.capacity),
+        "tiles_over": int((total > r.capacity).sum()),
+        "always_live": r.always_live.tolist(),
+        "not_always_live": r.not_always_live.tolist(),
+        "total": total.tolist(),
+        "categories": memory_categories(r, peak),
+        "peak_tile_tensors": [{"name": n, "dtype": d, "bytes": b}
+                              for n, d, b in r.tensors_on(peak, 10)],
+        "always_live_by_dtype": r.bytes_by_dtype(),
+        "liveness": liveness, "liveness_peak_tile": at_peak, "peak_step": peak_step,
     }
 
 
