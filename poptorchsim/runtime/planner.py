@@ -83,9 +83,9 @@ class Configuration:
         return counts
 
     def describe(self, repeated=None):
-        split = self.layers_per_ipu(repeated)
+        split = f", layers {self.layers_per_ipu(repeated)}" if self.ipus_per_replica > 1 else ""
         return (f"{self.ipus_per_replica} IPU{'s' if self.ipus_per_replica > 1 else ''} x "
-                f"{self.replicas} replica{'s' if self.replicas > 1 else ''}, layers {split}, "
+                f"{self.replicas} replica{'s' if self.replicas > 1 else ''}{split}, "
                 f"micro-batch {self.micro_batch}, accumulation {self.accumulation}, "
                 f"AMP {_amp_text(self.amp)}, optimizer state {self.optimizer_state}, "
                 f"{self.partials} partials, recomputation {self.recomputation}")
