@@ -220,12 +220,14 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
     ``plan.ipus_needed``, ``plan.layers_per_ipu``.  Print the plan to read
     why; ``.apply(model)`` adds the blocks.  ``example_inputs``: one
     micro-batch; ``options``: the IPU model to plan for
-    (``Options.useIpuModelVersion``), else the environment's."""
+    (``Options.useIpuModelVersion``, else the environment's) and the
+    settings the split is compiled with (memory proportion, optimizer state
+    location, precision)."""
     from .machine.targets import default_target
     from .runtime.autosplit import suggest_split as _suggest
     version = options._values.get("ipu_model_version") if options is not None else None
     return _suggest(model, num_ipus, *example_inputs, optimizer=optimizer,
-                    training=training, target=default_target(version))
+                    training=training, target=default_target(version), options=options)
 
 
 def plan(model, example_inputs, ipus=16, optimizer=None, options=None, **search):

@@ -152,3 +152,12 @@ def test_cli_plan_runs_a_script(tmp_path, capsys):
     bad.write_text("x = 1\n")
     assert main(["plan", str(bad)]) == 2
     assert "must define model and example_inputs" in capsys.readouterr().err
+
+
+def test_a_model_already_split_is_refused_with_the_fix():
+    model = Stack()
+    model.layers[2] = poptorch.BeginBlock(model.layers[2], "b", ipu_id=1)
+    with pytest.raises(poptorch.Error, match="already places its layers.*removeBlocks"):
+        poptorch.plan(model, _inputs(), ipus=2, progress=False)
+    poptorch.removeBlocks(model)
+    assert Planner(model, _inputs(), ipus=2).units

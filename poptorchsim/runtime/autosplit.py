@@ -157,11 +157,13 @@ def _partition(costs, mems, n, capacity):
 
 
 def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=True,
-                  target=None):
+                  target=None, options=None):
     """A ``SplitPlan`` placing ``model``'s layers on ``num_ipus`` IPUs (None:
     as few as fit, from 1, 2, 4, ... up to 64).
 
-    ``example_inputs``: one micro-batch, as the model's forward takes it.
+    ``example_inputs``: one micro-batch, as the model's forward takes it;
+    ``options``: the settings the split is compiled with (precision, memory
+    proportion, optimizer state location), one replica.
     The layers' cycles and bytes come from one compile of the traced graph
     (every layer its own stage; the model never runs); the split is then
     compiled as a pipeline and checked as ``trainingModel`` would check it:
@@ -174,7 +176,7 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
     target = target or default_target()
     asked = num_ipus
     first = num_ipus or 1
-    planner = Planner(model, example_inputs, optimizer, None, ipus=max(first, 64),
+    planner = Planner(model, example_inputs, optimizer, options, ipus=max(first, 64),
                       max_ipus_per_replica=max(first, 8 if asked is None else first))
     planner.base = replace(planner.base, target=target)
     micro = example_inputs[0].shape[0] if example_inputs and hasattr(example_inputs[0], "shape") \
@@ -186,12 +188,23 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
     cycles, nbytes = planner.unit_costs(micro)
 
     def check(k):
-        split = planner.splits(k, micro)[0]
-        stages = stages_of(split)
-        return split, planner.evaluate(Configuration(
-            micro, split, 1, 2 * stages if stages > 1 else 1))
+        """The first of the planner's splits over ``k`` IPUs that fits, else
+        the one closest to fitting (a split that cannot compile, e.g. a tied
+        weight on two IPUs, last)."""
+        tried = []
+        for split in planner.splits(k, micro):
+            stages = stages_of(split)
+            result = planner.evaluate(Configuration(
+                micro, split, 1, 2 * stages if stages > 1 else 1))
+            if result.fits:
+                return split, result
+            tried.append((max(result.peak_tile) if result.peak_tile else float("inf"),
+                          split, result))
+        _, split, result = min(tried, key=lambda t: t[0])
+        return split, result
 
     split, result = check(first)
+    first_reason = result.reason.splitlines()[0] if result.reason else ""
     plan = _plan_of(units, cycles, nbytes, split, first, target, result)
     k = first
     while not result.fits and 2 * k <= min(64, len(units)):
@@ -205,11 +218,13 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
         split, result = check(plan.ipus_needed)
         plan = _plan_of(units, cycles, nbytes, split, plan.ipus_needed, target, result)
     elif not plan.fits:
+        where = (f"IPU {plan.peak_tile.index(max(plan.peak_tile))} does not fit (peak tile "
+                 f"{max(plan.peak_tile) / 1024:.0f} KiB of {plan.capacity / 1024:.0f} KiB)"
+                 if plan.peak_tile else f"the split does not compile ({first_reason})")
         plan.notes.append(
-            f"Warning: IPU {plan.peak_tile.index(max(plan.peak_tile))} does not fit (peak "
-            f"tile {max(plan.peak_tile) / 1024:.0f} KiB of {plan.capacity / 1024:.0f} KiB); "
-            + (f"{plan.ipus_needed} IPUs fit." if plan.ipus_needed else
-               "no split over up to 64 IPUs fits at this micro-batch: reduce it."))
+            f"Warning: {where}; " + (f"{plan.ipus_needed} IPUs fit." if plan.ipus_needed else
+                                     "no split over up to 64 IPUs fits at this micro-batch: "
+                                     "reduce it."))
     return plan
 
 

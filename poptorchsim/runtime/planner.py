@@ -250,6 +250,13 @@ class Planner:
 
     def __init__(self, model, example_inputs, optimizer=None, options=None, ipus=16,
                  max_ipus_per_replica=8):
+        annotated = [n or "the model" for n, m in model.named_modules() if _blocks.block_hooks(m)]
+        if annotated:
+            raise Error(f"The model already places its layers on IPUs (BeginBlock on "
+                        f"{', '.join(annotated[:3])}{', ...' if len(annotated) > 3 else ''}); "
+                        "the planner chooses the split itself. Plan the model without "
+                        "BeginBlock (or poptorch.removeBlocks(model)), then apply the split "
+                        "it suggests.")
         self.model = model
         self.example_inputs = tuple(example_inputs)
         self.optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.01)
