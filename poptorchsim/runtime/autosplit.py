@@ -206,10 +206,13 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
     split, result = check(first)
     first_reason = result.reason.splitlines()[0] if result.reason else ""
     plan = _plan_of(units, cycles, nbytes, split, first, target, result)
-    k = first
+    k, closest = first, (max(result.peak_tile) if result.peak_tile else float("inf"), first,
+                         result)
     while not result.fits and 2 * k <= min(64, len(units)):
         k *= 2
         _, result = check(k)
+        if result.peak_tile and max(result.peak_tile) < closest[0]:
+            closest = (max(result.peak_tile), k, result)
         if result.fits or asked is None:
             plan.ipus_needed = k if result.fits else None
         if result.fits:
@@ -223,9 +226,21 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
                  if plan.peak_tile else f"the split does not compile ({first_reason})")
         plan.notes.append(
             f"Warning: {where}; " + (f"{plan.ipus_needed} IPUs fit." if plan.ipus_needed else
-                                     "no split over up to 64 IPUs fits at this micro-batch: "
-                                     "reduce it."))
+                                     f"no split over up to {k} IPUs fits at this micro-batch"
+                                     + _closest_text(closest) + ". Reduce the micro-batch, "
+                                     "move the optimizer state off chip or lower the "
+                                     "available memory proportion (options=), or search "
+                                     "replicated configurations with poptorchsim.plan."))
     return plan
+
+
+def _closest_text(closest):
+    peak, k, result = closest
+    if not result.peak_tile:
+        return ""
+    ipu = result.peak_tile.index(peak)
+    return (f" (closest: {k} IPU{'s' if k > 1 else ''}, IPU {ipu}'s fullest tile at "
+            f"{peak / 1024:.0f} KiB of {result.capacity / 1024:.0f} KiB)")
 
 
 def _plan_of(units, cycles, nbytes, split, k, target, result):
