@@ -175,3 +175,21 @@ def test_convolutions_with_batch_norm_batch_like_the_serial_order():
     for r in range(RF):
         for p, q in zip(serial._state.buffers[r], tm._state.buffers[r]):
             torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stride, padding, dilation, kernel", [
+    ([1, 1], [1, 1], [1, 1], 3), ([2, 2], [0, 0], [1, 1], 3), ([1, 2], [2, 1], [2, 1], 3),
+    ([1, 1], [0, 0], [1, 1], 1)])
+def test_the_unfolded_weight_gradient_equals_atens(stride, padding, dilation, kernel):
+    """The im2col form of a summed convolution weight gradient (the batched
+    path may choose it where it runs faster) against ATen's."""
+    from poptorchsim.machine.batching import _unfolded
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 5, 9, 7, generator=g)
+    w = torch.randn(4, 5, kernel, kernel, generator=g)
+    out = torch.nn.functional.conv2d(x, w, stride=stride, padding=padding, dilation=dilation)
+    grad = torch.randn(out.shape, generator=g)
+    ref = torch.ops.aten.convolution_backward(grad, x, w, None, stride, padding, dilation,
+                                              False, [0, 0], 1, [False, True, False])[1]
+    torch.testing.assert_close(_unfolded(grad, x, w, stride, padding, dilation), ref,
+                               rtol=1e-5, atol=1e-5)

@@ -192,10 +192,14 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
         the one closest to fitting (a split that cannot compile, e.g. a tied
         weight on two IPUs, last)."""
         tried = []
+        base = planner.base
+        amp = tuple(base.amp.get(i, 0.6) for i in range(k)) if isinstance(base.amp, dict) \
+            else base.amp
+        partials = (base.precision or {}).get("partials", "float")
         for split in planner.splits(k, micro):
             stages = stages_of(split)
             result = planner.evaluate(Configuration(
-                micro, split, 1, 2 * stages if stages > 1 else 1))
+                micro, split, 1, 2 * stages if stages > 1 else 1, amp, partials=partials))
             if result.fits:
                 return split, result
             tried.append((max(result.peak_tile) if result.peak_tile else float("inf"),
