@@ -112,6 +112,8 @@ def test_meta_gpt2_compiles_to_the_estimates_of_the_real_one():
     assert real[0] == meta[0]
     assert real[1] == meta[1]
     assert real[2] == meta[2]
+    for report in pms[1].memoryReport().ipus:   # pipelined: stashes, recomputation
+        _check_peaks(report)
 
 
 @pytest.mark.parametrize("training", [True, False])
@@ -258,3 +260,23 @@ def test_gpt2_xl_without_weights_compiles_in_little_host_memory():
     from meta_compile import GPT2_XL_SCRIPT
     peak = _peak_rss_mb(GPT2_XL_SCRIPT)
     assert peak < 1536, f"GPT-2 XL without weights peaked at {peak:.0f} MB"
+
+
+def test_memory_report_keeps_each_graphs_peak_not_its_matrix():
+    """The report keeps per graph the peak bytes of every tile and the op
+    where it is reached; the (ops x tiles) matrix, swept again on demand,
+    agrees with them (a large model's matrices would hold gigabytes)."""
+    opts = quiet_options()
+    opts.Training.gradientAccumulation(2)
+    pm = _training(_cnn("meta"), opts)
+    pm.compile(torch.cat([X, X]), torch.cat([Y, Y]))
+    _check_peaks(pm.memoryReport())
+
+
+def _check_peaks(report):
+    for name, (usage, _, _) in report.graphs.items():
+        dense = np.asarray(usage)
+        assert dense.shape == usage.shape and dense.shape[0] > 0
+        assert np.array_equal(usage.max(axis=0), dense.max(axis=0)), name
+        assert np.array_equal(usage.peak_op, dense.argmax(axis=0)), name
+        assert not any(isinstance(v, np.ndarray) and v.ndim == 2 for v in vars(usage).values())

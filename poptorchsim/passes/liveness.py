@@ -140,14 +140,7 @@ def _usage(live, buffers, scale, tiles, temps):
     the order; temporary bytes may hold fractions, and are added after it,
     each element once, as ``sum + temps`` would."""
     delta = np.zeros((live.n_ops + 1, tiles))
-    rows = {}
-    for i, a, b in zip(*live.intervals()):
-        i = int(i)
-        if i not in rows:
-            rows[i] = _placed(buffers[i].mapping, tiles, scale[i])
-        for lo, hi, values in rows[i]:
-            delta[a, lo:hi] += values
-            delta[b + 1, lo:hi] -= values
+    _add_buffers(live, buffers, scale, tiles, delta)
     if not isinstance(temps, Temps):
         _running_sum(delta)
         usage = delta[:live.n_ops]
@@ -165,6 +158,76 @@ def _usage(live, buffers, scale, tiles, temps):
         for k, row in temps.rows.items():
             usage[k] += row
     return usage
+
+
+def _add_buffers(live, buffers, scale, tiles, delta):
+    """Each live buffer's bytes into ``delta`` (rows of changes per op):
+    added at the op where a run of its liveness begins, taken away after
+    the op where it ends."""
+    rows = {}
+    for i, a, b in zip(*live.intervals()):
+        i = int(i)
+        if i not in rows:
+            rows[i] = _placed(buffers[i].mapping, tiles, scale[i])
+        for lo, hi, values in rows[i]:
+            delta[a][lo:hi] += values
+            delta[b + 1][lo:hi] -= values
+
+
+class _SparseRows(dict):
+    """The rows of an (n x tiles) array of zeros, held where written."""
+
+    def __init__(self, tiles):
+        super().__init__()
+        self.tiles = tiles
+
+    def __missing__(self, k):
+        row = self[k] = np.zeros(self.tiles)
+        return row
+
+
+def _usage_peak(live, buffers, scale, tiles, temps, block=256):
+    """``(usage.max(axis=0), usage.argmax(axis=0))`` of ``_usage``'s matrix,
+    the same numbers, without holding it: the sweep's changes are kept only
+    at the ops where buffers begin and end, and the running sum is taken
+    ``block`` ops at a time."""
+    n_ops = live.n_ops
+    peak, at = np.zeros(tiles), np.zeros(tiles, dtype=np.int64)
+    if n_ops == 0:
+        return peak, at
+    delta = _SparseRows(tiles)
+    _add_buffers(live, buffers, scale, tiles, delta)
+    extra = temps                     # per op: what _usage adds after the running sum
+    if isinstance(temps, Temps):
+        if temps.loads and temps.whole():
+            temps.sweep(delta)
+            extra = {}
+        elif temps.loads:
+            extra = temps.dense()
+        else:
+            extra = temps.rows
+    elif isinstance(temps, (int, float)):
+        extra = {}
+    rows = extra.get if isinstance(extra, dict) else extra.__getitem__
+    current = np.zeros(tiles)
+    chunk = np.empty((min(block, n_ops), tiles))
+    peak[:] = -np.inf
+    for start in range(0, n_ops, block):
+        m = min(block, n_ops - start)
+        for j in range(m):
+            change = delta.get(start + j)
+            if change is not None:
+                np.add(current, change, out=current)
+            row = rows(start + j)
+            if row is None:
+                chunk[j] = current
+            else:
+                np.add(current, row, out=chunk[j])
+        part = chunk[:m]
+        high, where = part.max(axis=0), part.argmax(axis=0)
+        better = high > peak
+        peak[better], at[better] = high[better], where[better] + start
+    return peak, at
 
 
 def _running_sum(rows):
@@ -248,12 +311,9 @@ class Usage:
     and IPU, and the dense matrices of a large model's graphs would hold
     gigabytes (48 GPT-2 layers: 18,000 ops x 1,472 tiles x 8 bytes per IPU)."""
 
-    def __init__(self, compute):
-        dense = compute()
+    def __init__(self, compute, peak, peak_op, shape):
         self._compute = compute
-        self.shape = dense.shape
-        self.peak = dense.max(axis=0) if len(dense) else np.zeros(dense.shape[1])
-        self.peak_op = dense.argmax(axis=0) if len(dense) else np.zeros(dense.shape[1], int)
+        self.peak, self.peak_op, self.shape = peak, peak_op, shape
 
     def __len__(self):
         return self.shape[0]
@@ -352,7 +412,9 @@ def live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True, find
     live = Liveness(n_ops, start, end, gap_lo, gap_hi, phase_column, allowed)
     order = [buffers[i] for i in ids]
     if keep_small:
-        return Usage(lambda: _usage(live, order, scale, tiles, temps)), live, order
+        peak, at = _usage_peak(live, order, scale, tiles, temps)
+        return (Usage(lambda: _usage(live, order, scale, tiles, temps), peak, at,
+                      (n_ops, tiles)), live, order)
     return _usage(live, order, scale, tiles, temps), live, order
 
 

@@ -225,7 +225,7 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None, shared
             recomputed_ops += [op.name for op in graph.ops if op in rec.ops]
         if rec and len(usage):
             without = live_usage(graph, tiles, temps, ipu, op_phase if offload else None,
-                                  recomputing=False, find=find)[0]
+                                  recomputing=False, find=find, keep_small=True)[0]
             plain = np.maximum(plain, without.max(axis=0).astype(np.int64))
         elif len(usage):
             plain = np.maximum(plain, usage.max(axis=0).astype(np.int64))
