@@ -28,11 +28,22 @@ SIZES = {   # n_layer, n_embd, n_head
 }
 
 TEMPLATE = """
-import resource, time
+import gc, resource, time
 import torch
 import transformers
 import poptorchsim
 transformers.logging.set_verbosity_error()
+
+
+def current_rss_mb():
+    # resident memory now (Linux), else the peak
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 N_LAYER, N_EMBD, N_HEAD, SEQ, IPUS = {n_layer}, {n_embd}, {n_head}, {seq}, 8
 config = transformers.GPT2Config(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD,
                                  n_positions=1024, vocab_size=50257,
@@ -69,10 +80,16 @@ seconds = time.perf_counter() - start
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 params = sum(p.numel() for p in model.parameters())
 ipus = pm.memoryReport().ipus
+always_live = ipus[0].always_live.sum() / 2**20
+cycles = pm.cycleEstimate()['total']
+del ipus
+before = current_rss_mb()
+pm.destroy()
+gc.collect()
 print(f"RESULT params={{params}} build_s={{build:.1f}} compile_s={{seconds:.1f}} "
-      f"peak_rss_mb={{rss:.0f}} ipus={{len(ipus)}} "
-      f"ipu0_always_live_mb={{ipus[0].always_live.sum() / 2**20:.0f}} "
-      f"cycles={{pm.cycleEstimate()['total']}}")
+      f"peak_rss_mb={{rss:.0f}} ipus=8 ipu0_always_live_mb={{always_live:.0f}} "
+      f"cycles={{cycles:.4g}} rss_before_destroy_mb={{before:.0f}} "
+      f"rss_after_destroy_mb={{current_rss_mb():.0f}}")
 """
 
 
@@ -108,12 +125,13 @@ def main():
     if a.real:
         cases.append(("medium", "cpu"))
     print(f"{'model':8} {'weights':7} {'params':>13} {'compile s':>9} {'peak RSS MB':>11} "
-          f"{'IPU0 always-live MB':>19} {'cycles':>12}")
+          f"{'RSS before/after destroy MB':>27} {'IPU0 always-live MB':>19} {'cycles':>10}")
     for size, device in cases:
         r = run(size, device, a.seq)
+        destroy = f"{r['rss_before_destroy_mb']} / {r['rss_after_destroy_mb']}"
         print(f"{size:8} {device:7} {int(r['params']):>13,} {r['compile_s']:>9} "
-              f"{r['peak_rss_mb']:>11} {r['ipu0_always_live_mb']:>19} {r['cycles']:>12}",
-              flush=True)
+              f"{r['peak_rss_mb']:>11} {destroy:>27} {r['ipu0_always_live_mb']:>19} "
+              f"{r['cycles']:>10}", flush=True)
 
 
 if __name__ == "__main__":

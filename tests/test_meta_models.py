@@ -237,6 +237,7 @@ with torch.device("meta"):
     model = Big()
 opts = poptorchsim.Options().showCompilationProgressBar(False)
 opts.Training.gradientAccumulation(4)
+opts._Popart.setEngineOptions({"debug.allowOutOfMemory": "true"})    # it does not fit
 pm = poptorchsim.trainingModel(model, opts, torch.optim.Adam(model.parameters()))
 pm.compile(torch.randn(4, 4096))
 assert pm.memoryReport().ipus[0].always_live.sum() > 2**30 / 2
@@ -247,7 +248,11 @@ def test_compiling_without_weights_keeps_host_memory_small():
     """A 1 GiB model (3 GiB with Adam's state and its gradient accumulators
     more) compiles in a process that never holds its weights."""
     peak = _peak_rss_mb(MID_SIZE)
-    assert peak < 900, f"compiling a 1 GiB model without weights peaked at {peak:.0f} MB"
+    imports = _peak_rss_mb("import torch, poptorchsim")
+    # measured: about 170 MB over the imports (with the weights on the CPU: 3.2 GB)
+    assert peak - imports < 400, (
+        f"compiling a 1 GiB model without weights took {peak - imports:.0f} MB over "
+        f"the imports ({peak:.0f} MB peak)")
 
 
 @pytest.mark.slow
@@ -280,3 +285,21 @@ def _check_peaks(report):
         assert np.array_equal(usage.max(axis=0), dense.max(axis=0)), name
         assert np.array_equal(usage.peak_op, dense.argmax(axis=0)), name
         assert not any(isinstance(v, np.ndarray) and v.ndim == 2 for v in vars(usage).values())
+
+
+def test_destroy_of_a_model_never_run_makes_no_optimizer_state():
+    """A compile-only training model's destroy() copies no optimizer state to
+    the host (the device holds the initial state it was given; copying it
+    back allocated Adam's two moments, 2x the weights, for GPT-2 medium);
+    once a call has run, destroy() copies the state back as before."""
+    model = _cnn("cpu")
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    pm = poptorchsim.trainingModel(model, quiet_options(), optimizer)
+    pm.compile(X, Y)
+    pm.destroy()
+    assert optimizer.state == {}
+    pm = poptorchsim.trainingModel(model, quiet_options(), optimizer)
+    pm(X, Y)
+    pm.destroy()
+    assert len(optimizer.state) == len(list(model.parameters()))
+    assert all(float(s["step"]) == 1 for s in optimizer.state.values())

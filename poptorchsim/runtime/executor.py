@@ -65,6 +65,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         self._optimizer = optimizer
         self._compiled = None
         self._weightless = False        # compiled with parameters on the meta device
+        self._has_run = False           # a training call ran since the optimizer state's upload
         self._fp_checks = False         # enableFloatingPointExceptions, as compiled
         self._attached = False
         self._weights = DeviceWeights(model, options, training)
@@ -297,6 +298,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         return result
 
     def _upload(self, keep_optimizer_state=False):
+        self._has_run = self._has_run and keep_optimizer_state
         self._weights.upload(self._compiled, self._optimizer, keep_optimizer_state)
 
     def copyNamedBuffersToDevice(self):
@@ -347,11 +349,15 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         return not self._destroyed
 
     def destroy(self):
-        """Copies the optimizer state back (training), drops the executable,
-        unwraps the model.  The weights are not copied: every training call
-        has already left them in the user's model, and copying again would
-        overwrite weights the user changed since."""
-        if self._compiled is not None and self._training and self._attached:
+        """Copies the optimizer state back (training, once a call has
+        changed it), drops the executable and everything it held, unwraps
+        the model.  The weights are not copied: every training call has
+        already left them in the user's model, and copying again would
+        overwrite weights the user changed since.  A model compiled and never
+        run keeps its optimizer's host state as it was (the device's is the
+        initial state it was given): no copy of it is made."""
+        if self._compiled is not None and self._training and self._attached \
+                and self._has_run:
             self._keep_optimizer_state(self._optimizer)
         if self._training and hasattr(self._optimizer, "_use_on_device"):
             self._optimizer._use_on_device(None)
@@ -414,6 +420,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
                 self._state.restore(before)
             raise
         if self._training:
+            self._has_run = True
             self._weights.download(self._compiled, fresh=False)
             self._gradients.finish(self._compiled)
         self._inputs.write_back(self._engine.written)
