@@ -311,15 +311,15 @@ class Usage:
     and IPU, and the dense matrices of a large model's graphs would hold
     gigabytes (48 GPT-2 layers: 18,000 ops x 1,472 tiles x 8 bytes per IPU)."""
 
-    def __init__(self, compute, peak, peak_op, shape):
-        self._compute = compute
+    def __init__(self, sweep, peak, peak_op, shape):
+        self._sweep = sweep             # _usage's arguments (picklable: the cache stores it)
         self.peak, self.peak_op, self.shape = peak, peak_op, shape
 
     def __len__(self):
         return self.shape[0]
 
     def __array__(self, dtype=None, copy=None):
-        dense = self._compute()
+        dense = _usage(*self._sweep)
         return dense if dtype is None else dense.astype(dtype)
 
     def __getitem__(self, k):
@@ -413,8 +413,8 @@ def live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True, find
     order = [buffers[i] for i in ids]
     if keep_small:
         peak, at = _usage_peak(live, order, scale, tiles, temps)
-        return (Usage(lambda: _usage(live, order, scale, tiles, temps), peak, at,
-                      (n_ops, tiles)), live, order)
+        return (Usage((live, order, scale, tiles, temps), peak, at, (n_ops, tiles)),
+                live, order)
     return _usage(live, order, scale, tiles, temps), live, order
 
 

@@ -22,6 +22,7 @@ from . import optimizer_checks as opt_checks
 from .config import CompileConfig, output_mode
 from .engine_options import profiling_directory
 from .host_copies import _HostCopies
+from .host_memory import give_back_freed_memory
 from .inputs import ModelInputs
 from .no_weights import has_meta_state, no_weights_error, require_weights
 from .optimizer_handling import _OptimizerHandling
@@ -380,6 +381,8 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         self._weights.release()
         self._observe.tap, self._observe.values = None, {}
         self._gradients = GradientMonitor()
+        self._inputs.call_tensors = []
+        give_back_freed_memory()        # the heap keeps freed memory for steps otherwise
 
     # -- running ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
