@@ -303,3 +303,30 @@ def test_destroy_of_a_model_never_run_makes_no_optimizer_state():
     pm.destroy()
     assert len(optimizer.state) == len(list(model.parameters()))
     assert all(float(s["step"]) == 1 for s in optimizer.state.values())
+
+
+def test_a_meta_tensor_held_as_a_constant_gets_a_typed_error():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.scale = torch.ones(4)          # neither a parameter nor a buffer
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    with torch.device("meta"):
+        model = Scaled()
+    pm = poptorchsim.inferenceModel(model, quiet_options())
+    with pytest.raises(poptorchsim.NoWeightsError,
+                       match=r"holds scale, a tensor on the meta device that is neither a "
+                             r"parameter nor a buffer.*register_buffer\('scale'"):
+        pm.compile(torch.randn(2, 4))
+    assert not pm.isCompiled()
+    # as a buffer it compiles from its shape
+    with torch.device("meta"):
+        model = Scaled()
+    model.register_buffer("scale", model.__dict__.pop("scale"), persistent=False)
+    pm = poptorchsim.inferenceModel(model, quiet_options())
+    pm.compile(torch.randn(2, 4))
+    assert pm.cycleEstimate()["total"] > 0

@@ -28,7 +28,7 @@ from . import losses as _losses
 from .decompositions import decompositions, tracing_backends
 from .mixed_precision import MixedPrecision
 from .op_calls import PoptorchOpCalls
-from .weightless import fake_meta_example
+from .weightless import explain_meta_constant, fake_meta_example
 from .trace_checks import (_check_multiconvs, _drop_constant_reads, _explain_failure,  # noqa: F401
                            _named_inputs, _user_frame, forward_signature)
 
@@ -180,7 +180,8 @@ def _trace_model(fn, example, what, blocks, stack_traces, inputs):
     except Error:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised unless explained
-        explained = _explain_failure(exc, what, *inputs)
+        explained = _explain_failure(exc, what, *inputs) or \
+            explain_meta_constant(exc, inputs[0], what)
         if explained is None:
             raise
         raise explained from exc

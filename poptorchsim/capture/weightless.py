@@ -14,6 +14,8 @@ import itertools
 import torch
 import torch.utils._pytree as pytree
 
+from ..errors import NoWeightsError
+
 CPU = torch.device("cpu")
 
 
@@ -56,3 +58,32 @@ def fake_meta_example(example):
         out.requires_grad_(t.requires_grad)
         return out
     return pytree.tree_map_only(torch.Tensor, fake, example)
+
+
+def meta_constants(module):
+    """Names of tensors on the meta device that ``module`` holds as plain
+    attributes (neither parameters nor buffers): forward() reads them as
+    constants, whose values the program holds."""
+    return [f"{prefix}.{name}" if prefix else name
+            for prefix, m in module.named_modules()
+            for name, value in vars(m).items()
+            if isinstance(value, torch.Tensor) and value.device.type == "meta"]
+
+
+def explain_meta_constant(exc, module, what):
+    """The ``NoWeightsError`` behind ``exc`` (a trace that met tensors on two
+    devices) when ``module`` holds a meta tensor as a constant; else None."""
+    text = str(exc)
+    if "meta" not in text or "device" not in text:
+        return None
+    names = meta_constants(module)
+    if not names:
+        return None
+    first = names[0].rpartition(".")[2]
+    return NoWeightsError(
+        f"While tracing the {what}, tensors met on two devices: the model holds {', '.join(names[:3])}, a tensor on "
+        "the meta device that is neither a parameter nor a buffer: the program holds "
+        "such a tensor as a constant, with its values, so the model cannot be compiled "
+        "without them. Register it as a buffer (self.register_buffer("
+        f"'{first}', tensor, persistent=False)), which is compiled from its shape like "
+        "the weights, or create it on the CPU.")
