@@ -133,7 +133,8 @@ def test_a_model_without_weights_cannot_run(training):
     for call, what in [(lambda: pm(*inputs), "run the model"),
                        (pm.copyWeightsToHost, "copy the weights to the host"),
                        (pm.copyWeightsToDevice, "copy the weights to the device"),
-                       (pm.attachToDevice, "attach to the device")]:
+                       (pm.attachToDevice, "attach to the device"),
+                       (pm.state_dict, "read the weights")]:
         with pytest.raises(poptorchsim.NoWeightsError) as info:
             call()
         text = str(info.value)

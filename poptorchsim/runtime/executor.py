@@ -291,6 +291,13 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         self._require_weights("copy the weights to the device (copyWeightsToDevice())")
         self._upload(keep_optimizer_state=self._state.opt_state is not None)
 
+    def state_dict(self, *args, **kwargs):
+        """The model's weights and buffers (those of the last call, which a
+        training call leaves in the model).  A model without weights has no
+        values to give: ``NoWeightsError``."""
+        self._require_weights("read the weights (state_dict())")
+        return self._user_model.state_dict(*args, **kwargs)
+
     def load_state_dict(self, state_dict, strict=True):
         """Loads into the user's model, then into the device when attached."""
         result = self._user_model.load_state_dict(state_dict, strict)
