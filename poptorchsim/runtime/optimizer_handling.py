@@ -98,7 +98,8 @@ class _OptimizerHandling:
     def _send_loaded_optimizer_state(self):
         """A state given to ``optimizer.load_state_dict`` goes to the device
         before the next run."""
-        if self._training and not self._weightless and getattr(self._optimizer, "ipu_state_is_dirty", False):
+        if self._training and not self._weightless and \
+                getattr(self._optimizer, "ipu_state_is_dirty", False):
             self._weights.write_device_state(self._compiled, self._optimizer)
 
     def _group_tensor_names(self):
