@@ -93,7 +93,8 @@ def _gpt2_config():
                                    tie_word_embeddings=False)   # one IPU per weight
 
 
-def test_meta_gpt2_compiles_to_the_estimates_of_the_real_one():
+@pytest.mark.parametrize("training", [True, False])
+def test_meta_gpt2_compiles_to_the_estimates_of_the_real_one(training):
     config = _gpt2_config()
     ids = torch.randint(0, 128, (2 * 4 * 2, 16), generator=torch.Generator().manual_seed(0))
     pms = []
@@ -102,9 +103,13 @@ def test_meta_gpt2_compiles_to_the_estimates_of_the_real_one():
         with torch.device(device):
             model = LM(config)
         opts = quiet_options().replicationFactor(2)
-        opts.Training.gradientAccumulation(4)
         opts.setExecutionStrategy(poptorchsim.PipelinedExecution())
-        pm = _training(model, opts, torch.optim.AdamW)
+        if training:
+            opts.Training.gradientAccumulation(4)
+            pm = _training(model, opts, torch.optim.AdamW)
+        else:
+            opts.deviceIterations(4)
+            pm = poptorchsim.inferenceModel(model, opts)
         pm.compile(ids, ids)
         pms.append(pm)
     real, meta = (_estimates(pm) for pm in pms)
