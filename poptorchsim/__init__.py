@@ -23,7 +23,7 @@ from .data import AsynchronousDataAccessor, DataLoader
 from .enums import *  # noqa: F401,F403 - PopTorch re-exports its enums
 from .errors import (BatchDimensionError, DataDependentError, DtypeError, Error,
                      InputError, InputMismatchError, LossError, ModelWrappedError,
-                     OutOfMemoryError, RecoverableError, UnrecoverableError,
+                     NoWeightsError, OutOfMemoryError, RecoverableError, UnrecoverableError,
                      UnsupportedOperationError, createPoptorchError)
 from .ops import identity_loss, ipuHardwareIsAvailable, isRunningOnIpu, set_available_memory
 from .ops import CPU, ipu_print_tensor, ipuHardwareVersion  # docs/observing.md

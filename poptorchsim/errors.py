@@ -99,6 +99,12 @@ class ModelWrappedError(Error, RuntimeError):
     ``RuntimeError`` here, so this class is both."""
 
 
+class NoWeightsError(Error, RuntimeError):
+    """The model was built without weights (its parameters or buffers are on
+    the ``meta`` device): it compiles for estimates but cannot run, nor
+    copy weights to or from the device."""
+
+
 class LossError(Error):
     """No loss, or more than one independent loss, in a training model."""
 

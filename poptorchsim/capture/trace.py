@@ -28,6 +28,7 @@ from . import losses as _losses
 from .decompositions import decompositions, tracing_backends
 from .mixed_precision import MixedPrecision
 from .op_calls import PoptorchOpCalls
+from .weightless import explain_meta_constant, fake_meta_example
 from .trace_checks import (_check_multiconvs, _drop_constant_reads, _explain_failure,  # noqa: F401
                            _named_inputs, _user_frame, forward_signature)
 
@@ -143,7 +144,7 @@ def _trace(fn, example, what, blocks_seen=None, stack_traces=False):
                 tracing_backends():
             gm = make_fx(functionalize(fn, remove="mutations"), tracing_mode="fake",
                          decomposition_table=decompositions(), _allow_non_fake_inputs=True,
-                         record_stack_traces=stack_traces)(*example)
+                         record_stack_traces=stack_traces)(*fake_meta_example(example))
         if blocks_seen is not None:
             blocks_seen.extend(dict.fromkeys(entered))     # unique, in entry order
     except Error:
@@ -179,7 +180,8 @@ def _trace_model(fn, example, what, blocks, stack_traces, inputs):
     except Error:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised unless explained
-        explained = _explain_failure(exc, what, *inputs)
+        explained = _explain_failure(exc, what, *inputs) or \
+            explain_meta_constant(exc, inputs[0], what)
         if explained is None:
             raise
         raise explained from exc

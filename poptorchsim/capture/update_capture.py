@@ -14,6 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import update_rules as _opt
 from .trace import _tracing_scope
+from .weightless import fake_meta_example
 
 aten = torch.ops.aten
 
@@ -55,9 +56,13 @@ def _update_rule(plan, layout, unit_scale):
 
 
 def _example(layout):
-    return (torch.zeros(layout.shape, dtype=layout.dtype),
-            torch.zeros(layout.shape, dtype=layout.grad_dtype),
-            [torch.zeros(layout.shape, dtype=dt) for _, dt in layout.slots_in],
+    """A parameter's (param, grad, state slots, step) to trace its update
+    over: shapes without values (``meta``, traced as fake CPU tensors by
+    ``weightless.fake_meta_example``), so no parameter-sized tensor is
+    allocated on the host."""
+    return (torch.empty(layout.shape, dtype=layout.dtype, device="meta"),
+            torch.empty(layout.shape, dtype=layout.grad_dtype, device="meta"),
+            [torch.empty(layout.shape, dtype=dt, device="meta") for _, dt in layout.slots_in],
             torch.zeros((), dtype=torch.float32))
 
 
@@ -121,7 +126,8 @@ def capture_update(plan, layouts, n_groups, unit_scale=False, traces=None):
         torch.ones((), dtype=torch.float32),
     )
     with _tracing_scope():
-        return _cast_scalars_once(make_fx(update, tracing_mode="fake")(*example))
+        return _cast_scalars_once(make_fx(update, tracing_mode="fake")(
+            *fake_meta_example(example)))
 
 
 class GraphOnly:
@@ -168,7 +174,8 @@ def _update_by_parameter(plan, layouts, n_groups, unit_scale, traces):
                 [torch.zeros((), dtype=torch.float64) for _ in range(n_h)],
                 [torch.zeros((), dtype=torch.float64) for _ in range(n_g)],
                 torch.ones((), dtype=torch.float32))
-            traces[key] = make_fx(one(layout), tracing_mode="fake")(*example).graph
+            traces[key] = make_fx(one(layout), tracing_mode="fake")(
+                *fake_meta_example(example)).graph
         return traces[key]
 
     template = {}                   # layout -> (traced graph, the shape it was traced at)

@@ -140,14 +140,7 @@ def _usage(live, buffers, scale, tiles, temps):
     the order; temporary bytes may hold fractions, and are added after it,
     each element once, as ``sum + temps`` would."""
     delta = np.zeros((live.n_ops + 1, tiles))
-    rows = {}
-    for i, a, b in zip(*live.intervals()):
-        i = int(i)
-        if i not in rows:
-            rows[i] = _placed(buffers[i].mapping, tiles, scale[i])
-        for lo, hi, values in rows[i]:
-            delta[a, lo:hi] += values
-            delta[b + 1, lo:hi] -= values
+    _add_buffers(live, buffers, scale, tiles, delta)
     if not isinstance(temps, Temps):
         _running_sum(delta)
         usage = delta[:live.n_ops]
@@ -165,6 +158,76 @@ def _usage(live, buffers, scale, tiles, temps):
         for k, row in temps.rows.items():
             usage[k] += row
     return usage
+
+
+def _add_buffers(live, buffers, scale, tiles, delta):
+    """Each live buffer's bytes into ``delta`` (rows of changes per op):
+    added at the op where a run of its liveness begins, taken away after
+    the op where it ends."""
+    rows = {}
+    for i, a, b in zip(*live.intervals()):
+        i = int(i)
+        if i not in rows:
+            rows[i] = _placed(buffers[i].mapping, tiles, scale[i])
+        for lo, hi, values in rows[i]:
+            delta[a][lo:hi] += values
+            delta[b + 1][lo:hi] -= values
+
+
+class _SparseRows(dict):
+    """The rows of an (n x tiles) array of zeros, held where written."""
+
+    def __init__(self, tiles):
+        super().__init__()
+        self.tiles = tiles
+
+    def __missing__(self, k):
+        row = self[k] = np.zeros(self.tiles)
+        return row
+
+
+def _usage_peak(live, buffers, scale, tiles, temps, block=256):
+    """``(usage.max(axis=0), usage.argmax(axis=0))`` of ``_usage``'s matrix,
+    the same numbers, without holding it: the sweep's changes are kept only
+    at the ops where buffers begin and end, and the running sum is taken
+    ``block`` ops at a time."""
+    n_ops = live.n_ops
+    peak, at = np.zeros(tiles), np.zeros(tiles, dtype=np.int64)
+    if n_ops == 0:
+        return peak, at
+    delta = _SparseRows(tiles)
+    _add_buffers(live, buffers, scale, tiles, delta)
+    extra = temps                     # per op: what _usage adds after the running sum
+    if isinstance(temps, Temps):
+        if temps.loads and temps.whole():
+            temps.sweep(delta)
+            extra = {}
+        elif temps.loads:
+            extra = temps.dense()
+        else:
+            extra = temps.rows
+    elif isinstance(temps, (int, float)):
+        extra = {}
+    rows = extra.get if isinstance(extra, dict) else extra.__getitem__
+    current = np.zeros(tiles)
+    chunk = np.empty((min(block, n_ops), tiles))
+    peak[:] = -np.inf
+    for start in range(0, n_ops, block):
+        m = min(block, n_ops - start)
+        for j in range(m):
+            change = delta.get(start + j)
+            if change is not None:
+                np.add(current, change, out=current)
+            row = rows(start + j)
+            if row is None:
+                chunk[j] = current
+            else:
+                np.add(current, row, out=chunk[j])
+        part = chunk[:m]
+        high, where = part.max(axis=0), part.argmax(axis=0)
+        better = high > peak
+        peak[better], at[better] = high[better], where[better] + start
+    return peak, at
 
 
 def _running_sum(rows):
@@ -240,7 +303,36 @@ def _placed(mapping, tiles, scale):
     return [(start, tiles, values[:cut]), (0, n - cut, values[cut:])]
 
 
-def live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True, find=None):
+class Usage:
+    """``live_usage``'s (ops x tiles) bytes, kept small: the peak of every
+    tile and the op where it is reached are stored, the matrix itself is
+    computed again (the same sweep, so the same numbers) when read with
+    ``np.asarray(usage)`` or indexing.  A memory report keeps one per graph
+    and IPU, and the dense matrices of a large model's graphs would hold
+    gigabytes (48 GPT-2 layers: 18,000 ops x 1,472 tiles x 8 bytes per IPU)."""
+
+    def __init__(self, sweep, peak, peak_op, shape):
+        self._sweep = sweep             # _usage's arguments (picklable: the cache stores it)
+        self.peak, self.peak_op, self.shape = peak, peak_op, shape
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __array__(self, dtype=None, copy=None):
+        dense = _usage(*self._sweep)
+        return dense if dtype is None else dense.astype(dtype)
+
+    def __getitem__(self, k):
+        return np.asarray(self)[k]
+
+    def max(self, axis=None):
+        if axis == 0:
+            return self.peak.copy()
+        return np.asarray(self).max(axis=axis)
+
+
+def live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True, find=None,
+               keep_small=False):
     """(usage, live, buffers): bytes live on each tile at each op (ops x tiles),
     which buffers are live at each op (a ``Liveness``: ops x buffers), and the
     buffers.
@@ -253,7 +345,8 @@ def live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True, find
     write or read it, and waits in Streaming Memory in between.
     ``recomputing=False``: as if the graph's recomputed ops kept their
     results (to measure what recomputation saves).  ``find``: the graph's
-    ``buffer_roots``, where the caller has it."""
+    ``buffer_roots``, where the caller has it.  ``keep_small``: the usage
+    as a ``Usage`` (its per-tile peak kept, the matrix computed on demand)."""
     n_ops = len(graph.ops)
     if n_ops == 0:
         return np.zeros((0, tiles)), np.zeros((0, 0), dtype=bool), []
@@ -318,6 +411,10 @@ def live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True, find
                     allowed[n, c] = True
     live = Liveness(n_ops, start, end, gap_lo, gap_hi, phase_column, allowed)
     order = [buffers[i] for i in ids]
+    if keep_small:
+        peak, at = _usage_peak(live, order, scale, tiles, temps)
+        return (Usage((live, order, scale, tiles, temps), peak, at, (n_ops, tiles)),
+                live, order)
     return _usage(live, order, scale, tiles, temps), live, order
 
 

@@ -80,11 +80,12 @@ class MemoryReport:
         """``largest_on`` with each tensor's dtype: (name, dtype name, bytes)."""
         found = [(int(v[tile]), k, self.dtypes.get(k, "")) for k, v in self.by_tensor.items()
                  if v[tile]]
-        worst = max(self.graphs.items(), key=lambda kv: kv[1][0][:, tile].max()
+        worst = max(self.graphs.items(), key=lambda kv: kv[1][0].max(axis=0)[tile]
                     if len(kv[1][0]) else -1, default=None)
         if worst is not None and len(worst[1][0]):
             name, (usage, live, buffers) = worst
-            k = int(np.argmax(usage[:, tile]))
+            k = int(usage.peak_op[tile]) if hasattr(usage, "peak_op") \
+                else int(np.argmax(usage[:, tile]))
             for alive, t in zip(live[k], buffers):
                 nbytes = int(t.mapping.bytes_per_tile(len(self.total))[tile]) if alive else 0
                 if nbytes:
@@ -222,7 +223,8 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None, shared
             shared[graph.name] = buffer_roots(graph)
         find = shared[graph.name]
         usage, live, buffers = live_usage(graph, tiles, temps, ipu,
-                                           op_phase if offload else None, find=find)
+                                           op_phase if offload else None, find=find,
+                                           keep_small=True)
         graphs[graph.name] = (usage, live, buffers)
         rec = graph.recompute
         if rec is not None and rec.mode:
@@ -230,7 +232,7 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None, shared
             recomputed_ops += [op.name for op in graph.ops if op in rec.ops]
         if rec and len(usage):
             without = live_usage(graph, tiles, temps, ipu, op_phase if offload else None,
-                                  recomputing=False, find=find)[0]
+                                  recomputing=False, find=find, keep_small=True)[0]
             plain = np.maximum(plain, without.max(axis=0).astype(np.int64))
         elif len(usage):
             plain = np.maximum(plain, usage.max(axis=0).astype(np.int64))

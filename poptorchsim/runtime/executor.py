@@ -22,7 +22,9 @@ from . import optimizer_checks as opt_checks
 from .config import CompileConfig, output_mode
 from .engine_options import profiling_directory
 from .host_copies import _HostCopies
+from .host_memory import give_back_freed_memory
 from .inputs import ModelInputs
+from .no_weights import has_meta_state, no_weights_error, require_weights
 from .optimizer_handling import _OptimizerHandling
 from .precision import GradientMonitor, keep_running_statistics_float
 from .results import _SimulationResults
@@ -63,6 +65,8 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         self._training = training
         self._optimizer = optimizer
         self._compiled = None
+        self._weightless = False        # compiled with parameters on the meta device
+        self._has_run = False           # a training call ran since the optimizer state's upload
         self._fp_checks = False         # enableFloatingPointExceptions, as compiled
         self._attached = False
         self._weights = DeviceWeights(model, options, training)
@@ -129,6 +133,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
     def _compile(self, args, kwargs, leaves, spec, names, source=None):
         self._check_output_period()
         self._observe.check(self._user_model)
+        weightless = has_meta_state(self._user_model)
         di, ga, rf = self._factors()
         self._inputs.check_no_grad(leaves)
         self._inputs.check_batch(leaves, di, ga, rf, self._options)
@@ -188,6 +193,9 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         if group is not None:
             self._engine.reduce = group.all_reduce_sum
         self._inputs.remember(args, kwargs, leaves, spec, names)
+        self._weightless = weightless
+        if weightless:          # estimates only: nothing to upload (no_weights.py)
+            return
         self._upload()
         self._attached = True
 
@@ -265,6 +273,13 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         if self._compiled is None:
             raise Error(NO_EXECUTABLE_ERR)
 
+    def _require_weights(self, what):
+        """``NoWeightsError`` for a model compiled (or about to be) without weights."""
+        if self._weightless:
+            raise no_weights_error(self._user_model, what)
+        if self._compiled is None:
+            require_weights(self._user_model, what)
+
     # -- weights ------------------------------------------------------------------------
     @property
     def _state(self):
@@ -273,7 +288,15 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
     def copyWeightsToDevice(self):
         """Host -> device: weights and buffers (the device keeps its optimizer state)."""
         self._require_compiled()
+        self._require_weights("copy the weights to the device (copyWeightsToDevice())")
         self._upload(keep_optimizer_state=self._state.opt_state is not None)
+
+    def state_dict(self, *args, **kwargs):
+        """The model's weights and buffers (those of the last call, which a
+        training call leaves in the model).  A model without weights has no
+        values to give: ``NoWeightsError``."""
+        self._require_weights("read the weights (state_dict())")
+        return self._user_model.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict=True):
         """Loads into the user's model, then into the device when attached."""
@@ -283,22 +306,27 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         return result
 
     def _upload(self, keep_optimizer_state=False):
+        self._has_run = self._has_run and keep_optimizer_state
         self._weights.upload(self._compiled, self._optimizer, keep_optimizer_state)
 
     def copyNamedBuffersToDevice(self):
         """Host -> device: only the buffers named in ``Options.updatableNamedBuffers``."""
         self._require_compiled()
+        self._require_weights("copy buffers to the device (copyNamedBuffersToDevice())")
         names = observe.updatable_buffers(self._options)
         if names is None:
             raise Error(observe.NO_UPDATABLE_BUFFERS)
         self._weights.upload_buffers(self._compiled, names)
 
     def _load_optimizer_state(self):
+        if self._weightless:            # no device state to load into
+            return
         self._weights.load_optimizer_state(self._compiled, self._optimizer)
 
     def copyWeightsToHost(self):
         """Device -> host: the user's model gets the device weights and buffers."""
         self._require_compiled()
+        self._require_weights("copy the weights to the host (copyWeightsToHost())")
         self._weights.download(self._compiled)
         if self._training:
             self._keep_optimizer_state(self._optimizer)
@@ -308,6 +336,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         self._require_compiled()
         if self._options.connection_type == enums.ConnectionType.Never:
             raise AssertionError("Trying to attach to an offline device (ConnectionType.Never)")
+        self._require_weights("attach to the device (attachToDevice())")
         if self._attached:
             raise Error("Device is already attached")
         self._upload()
@@ -328,16 +357,19 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         return not self._destroyed
 
     def destroy(self):
-        """Copies the optimizer state back (training), drops the executable,
-        unwraps the model.  The weights are not copied: every training call
-        has already left them in the user's model, and copying again would
-        overwrite weights the user changed since."""
-        if self._compiled is not None and self._training and self._attached:
+        """Copies the optimizer state back (training, once a call has
+        changed it), drops the executable and everything it held, unwraps
+        the model.  The weights are not copied: every training call has
+        already left them in the user's model, and copying again would
+        overwrite weights the user changed since.  A model compiled and never
+        run keeps its optimizer's host state as it was (the device's is the
+        initial state it was given): no copy of it is made."""
+        if self._compiled is not None and self._training and self._attached \
+                and self._has_run:
             self._keep_optimizer_state(self._optimizer)
         if self._training and hasattr(self._optimizer, "_use_on_device"):
             self._optimizer._use_on_device(None)
-        self._compiled = None
-        self._attached = False
+        self._release()
         self._destroyed = True
         m = self._user_model
         ref = m.__dict__.get("_poptorchsim_wrapper")
@@ -345,12 +377,28 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
             del m.__dict__["_poptorchsim_wrapper"]
             m.__dict__.pop("destroy", None)
 
+    def _release(self):
+        """Drops what the executable held: the compiled program (traced graphs,
+        IR, generated code), the engine, the device copy of the weights,
+        buffers and optimizer state, the anchors' values, the gradient watch."""
+        self._compiled = None
+        self._attached = False
+        self._weightless = False
+        self.__dict__.pop("_engine", None)
+        self._weights.release()
+        self._observe.tap, self._observe.values = None, {}
+        self._gradients = GradientMonitor()
+        self._inputs.call_tensors = []
+        give_back_freed_memory()        # the heap keeps freed memory for steps otherwise
+
     # -- running ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         if self._options.connection_type == enums.ConnectionType.Never:
             raise AssertionError(
                 "Trying to run a model on an offline device (ConnectionType.Never): use "
                 "model.compile(inputs) instead of model(inputs)")
+        if self._weightless or self._compiled is None:
+            self._require_weights("run the model")
         prepared = self._inputs.prepare(args, kwargs)
         if self._compiled is None:
             with observe.compile_hooks():
@@ -382,6 +430,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
                 self._state.restore(before)
             raise
         if self._training:
+            self._has_run = True
             self._weights.download(self._compiled, fresh=False)
             self._gradients.finish(self._compiled)
         self._inputs.write_back(self._engine.written)

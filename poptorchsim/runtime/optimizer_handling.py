@@ -77,7 +77,7 @@ class _OptimizerHandling:
     def _read_optimizer_state(self, optimizer):
         """``optimizer.state_dict()`` of the model's optimizer: the device state
         is read into it."""
-        if self._options.connection_type == enums.ConnectionType.Never:
+        if self._options.connection_type == enums.ConnectionType.Never or self._weightless:
             return              # never on a device: no state to read (PopTorch's None)
         if optimizer is self._optimizer and self._compiled is not None and self._training:
             self._keep_optimizer_state(optimizer)
@@ -86,6 +86,8 @@ class _OptimizerHandling:
         """Device -> host: torch's state of ``optimizer``, and for a PopTorch
         optimizer the device state its ``state_dict()`` returns (a state it
         was loaded with and has not sent yet goes to the device first)."""
+        if self._weightless:            # compiled without weights: no device state
+            return
         if optimizer is self._optimizer:
             self._send_loaded_optimizer_state()
         self._weights.optimizer_state_to_host(self._compiled, optimizer)
@@ -96,7 +98,8 @@ class _OptimizerHandling:
     def _send_loaded_optimizer_state(self):
         """A state given to ``optimizer.load_state_dict`` goes to the device
         before the next run."""
-        if self._training and getattr(self._optimizer, "ipu_state_is_dirty", False):
+        if self._training and not self._weightless and \
+                getattr(self._optimizer, "ipu_state_is_dirty", False):
             self._weights.write_device_state(self._compiled, self._optimizer)
 
     def _group_tensor_names(self):

@@ -76,6 +76,13 @@ class DeviceWeights:
         self.group = None               # distributed: the gloo process group
         self._broadcast_done = False
 
+    def release(self):
+        """Forgets the device copy (the executor's ``destroy()``)."""
+        self.state = DeviceState()
+        self._host_tensors = None
+        self.uploaded_version = -1
+        self._broadcast_done = False
+
     def _replicas(self):
         o = self.options
         return o.replication_factor // o.input_group_size
