@@ -178,6 +178,7 @@ def ipu_memory(r, program):
     for g, graph in program.graphs.items():
         usage = r.graphs.get(g, (np.zeros((0, len(total))),))[0]
         if len(usage):
+            usage = np.asarray(usage)     # a liveness.Usage is swept again here
             summed = np.rint(usage.sum(axis=1)).astype(np.int64)
             on_peak = np.rint(usage[:, peak]).astype(np.int64)
             k = int(np.argmax(summed))
