@@ -163,7 +163,7 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
 
     ``example_inputs``: one micro-batch, as the model's forward takes it;
     ``options``: the settings the split is compiled with (precision, memory
-    proportion, optimizer state location), one replica.
+    proportion, optimizer state location and sharding, replication).
     The layers' cycles and bytes come from one compile of the traced graph
     (every layer its own stage; the model never runs); the split is then
     compiled as a pipeline and checked as ``trainingModel`` would check it:
@@ -199,7 +199,8 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
         for split in planner.splits(k, micro):
             stages = stages_of(split)
             result = planner.evaluate(Configuration(
-                micro, split, 1, 2 * stages if stages > 1 else 1, amp, partials=partials))
+                micro, split, base.replicas, 2 * stages if stages > 1 else 1, amp,
+                partials=partials))
             if result.fits:
                 return split, result
             tried.append((max(result.peak_tile) if result.peak_tile else float("inf"),

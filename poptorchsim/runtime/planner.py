@@ -26,7 +26,7 @@ settings do not fit.
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -36,6 +36,7 @@ from ..errors import Error
 from . import compiler
 from .autosplit import _partition
 from .config import CompileConfig
+from .plan_result import Configuration, Evaluated, PlanResult  # noqa: F401 - the planner's API
 
 #: where the optimizer state lives -> TensorLocations settings
 OPTIMIZER_STATE = {
@@ -46,68 +47,6 @@ OPTIMIZER_STATE = {
 #: recomputation -> PopART's autoRecomputation (None: PopTorch's default,
 #: Pipeline recomputation for a pipeline over several IPUs)
 RECOMPUTATION = {"default": None, "none": 0, "standard": 1, "pipeline": 3, "all": 4}
-
-
-@dataclass(frozen=True)
-class Configuration:
-    """One way to train the model on the IPUs."""
-    micro_batch: int
-    ipu_of_unit: tuple                # the IPU of each unit, in execution order
-    replicas: int
-    accumulation: int
-    amp: object = 0.6                 # available memory proportion: one, or one per IPU
-    optimizer_state: str = "on chip"  # a key of OPTIMIZER_STATE
-    partials: str = "float"           # "float" or "half"
-    recomputation: str = "default"    # a key of RECOMPUTATION
-
-    @property
-    def ipus_per_replica(self):
-        return max(self.ipu_of_unit) + 1
-
-    @property
-    def ipus(self):
-        return self.ipus_per_replica * self.replicas
-
-    @property
-    def global_batch(self):
-        return self.micro_batch * self.replicas * self.accumulation
-
-    def layers_per_ipu(self, repeated=None):
-        """Units per IPU; ``repeated``: only the units whose indices it holds
-        (the repeated layers, as Graphcore's ``layers_per_ipu`` counts them;
-        empty or None: all units)."""
-        counts = [0] * self.ipus_per_replica
-        for i, ipu in enumerate(self.ipu_of_unit):
-            if not repeated or i in repeated:
-                counts[ipu] += 1
-        return counts
-
-    def describe(self, repeated=None):
-        split = f", layers {self.layers_per_ipu(repeated)}" if self.ipus_per_replica > 1 else ""
-        return (f"{self.ipus_per_replica} IPU{'s' if self.ipus_per_replica > 1 else ''} x "
-                f"{self.replicas} replica{'s' if self.replicas > 1 else ''}{split}, "
-                f"micro-batch {self.micro_batch}, accumulation {self.accumulation}, "
-                f"AMP {_amp_text(self.amp)}, optimizer state {self.optimizer_state}, "
-                f"{self.partials} partials, recomputation {self.recomputation}")
-
-
-@dataclass
-class Evaluated:
-    """A configuration compiled: does it fit, how fast would it train."""
-    config: Configuration
-    fits: bool
-    peak_tile: list                   # bytes of the fullest tile, per IPU of a replica
-    capacity: int                     # bytes per tile
-    samples_per_second: float
-    reason: str = ""                  # why it does not fit (or could not compile)
-    seconds: float = 0.0              # host seconds the evaluation took
-
-    @property
-    def headroom(self):
-        """Free share of the fullest tile of the fullest IPU."""
-        if not self.peak_tile:
-            return float("nan")
-        return 1.0 - max(self.peak_tile) / self.capacity
 
 
 @dataclass
@@ -132,106 +71,9 @@ class UnitPlacement:
         return out
 
 
-def _amp_text(amp):
-    return "[" + ", ".join(f"{a:g}" for a in amp) + "]" if isinstance(amp, tuple) else f"{amp:g}"
-
-
 def stages_of(ipu_of_unit):
     """Pipeline stages of a split: one more wherever the IPU changes."""
     return 1 + sum(a != b for a, b in zip(ipu_of_unit, ipu_of_unit[1:]))
-
-
-@dataclass
-class PlanResult:
-    """What ``Planner.search`` found, best first."""
-    units: list                       # unit names, in execution order
-    repeated: set                     # indices of the repeated layers (layers_per_ipu)
-    ipus: int
-    target_name: str
-    results: list                     # Evaluated, ranked
-    seconds: float = 0.0
-    compiles: int = 0
-    notes: list = field(default_factory=list)
-    included: list = field(default_factory=list)   # the configurations given to evaluate
-
-    @property
-    def fitting(self):
-        return [r for r in self.results if r.fits]
-
-    @property
-    def best(self):
-        fit = self.fitting
-        return fit[0] if fit else None
-
-    def find(self, config):
-        """The evaluation of ``config`` (None if it was not considered)."""
-        return next((r for r in self.results if r.config == config), None)
-
-    def table(self, limit=15, rejected=8):
-        """The ranked table a person reads: the best fitting configurations,
-        then the rejected ones with the reason."""
-        lines = [f"{len(self.results)} configurations of {self.ipus} {self.target_name} IPUs "
-                 f"considered in {self.seconds:.1f} s ({self.seconds / max(len(self.results), 1):.2f}"
-                 f" s each, {self.compiles} traces); {len(self.fitting)} fit.",
-                 f"{'rank':>4} {'samples/s':>10} {'headroom':>8}  {'peak tile per IPU (KiB)':<28} "
-                 "configuration"]
-        for k, r in enumerate(self.fitting[:limit]):
-            peaks = ", ".join(f"{p / 1024:.0f}" for p in r.peak_tile)
-            lines.append(f"{k + 1:>4} {r.samples_per_second:>10.1f} {r.headroom:>8.1%}  "
-                         f"{peaks:<28} {r.config.describe(self.repeated)}")
-        bad = [r for r in self.results if not r.fits]
-        if bad:
-            lines.append(f"rejected ({len(bad)}), for example:")
-            for r in bad[:rejected]:
-                lines.append(f"     {r.config.describe(self.repeated)}: "
-                             + r.reason.splitlines()[0])
-        lines.extend(self.notes)
-        return "\n".join(lines)
-
-    __str__ = table
-
-    def to_json(self):
-        return {"ipus": self.ipus, "target": self.target_name, "units": self.units,
-                "seconds": self.seconds, "results": [
-                    {"config": {**r.config.__dict__,
-                                "layers_per_ipu": r.config.layers_per_ipu(self.repeated)},
-                     "fits": r.fits, "peak_tile": r.peak_tile, "capacity": r.capacity,
-                     "samples_per_second": r.samples_per_second, "headroom": r.headroom,
-                     "reason": r.reason, "seconds": r.seconds} for r in self.results]}
-
-    def plot(self, path):
-        """A PNG: estimated throughput against memory headroom, one point per
-        configuration (fitting ones filled), the best one marked."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(8, 5))
-        for fits, style in ((False, dict(marker="x", color="#c0392b", label="does not fit")),
-                            (True, dict(marker="o", color="#2471a3", label="fits"))):
-            pts = [r for r in self.results if r.fits == fits and r.samples_per_second > 0]
-            if pts:
-                ax.scatter([100 * r.headroom for r in pts],
-                           [r.samples_per_second for r in pts], **style)
-        for r in (self.find(c) for c in self.included):
-            if r is not None and r.samples_per_second > 0:
-                ax.scatter([100 * r.headroom], [r.samples_per_second], marker="*", s=180,
-                           facecolor="none", edgecolor="#1e8449", label="included (yours)")
-        if self.best is not None:
-            b = self.best
-            ax.scatter([100 * b.headroom], [b.samples_per_second], marker="o", s=160,
-                       facecolor="none", edgecolor="black", label="best")
-            import textwrap
-            fig.text(0.01, 0.01, textwrap.fill("best: " + b.config.describe(self.repeated), 110),
-                     fontsize=7, va="bottom")
-        ax.axvline(0, color="grey", lw=0.8)
-        ax.set_xlabel("memory headroom of the fullest tile (%)")
-        ax.set_ylabel("estimated samples / s")
-        ax.set_title(f"{len(self.results)} configurations on {self.ipus} {self.target_name} IPUs")
-        ax.legend(fontsize=8)
-        fig.tight_layout(rect=(0, 0.07, 1, 1))
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return path
 
 
 def _rebatched(example_inputs, micro):
@@ -365,10 +207,11 @@ class Planner:
     def splits(self, k, micro):
         """Candidate splits over ``k`` IPUs (tuples of each unit's IPU): the
         units cut in ``k`` contiguous groups balancing cycles within the
-        memory; where the model's last units share weights with its first
-        (tied embeddings), those ends on IPU 0 with the repeated layers spread
-        over the IPUs (Graphcore's BERT and GPT-2 layout), IPU 0 taking as
-        many of them as balances best, and none."""
+        memory; where the model has units before and after its repeated
+        layers (embeddings, and heads often tied to them), those ends on IPU
+        0 with the repeated layers spread over the IPUs (Graphcore's BERT and
+        GPT-2 layout), IPU 0 taking as many of them as balances best, and
+        none.  A split that leaves an IPU empty is dropped."""
         n = len(self.units)
         if k == 1:
             return [(0,) * n]
