@@ -161,3 +161,41 @@ def test_a_model_already_split_is_refused_with_the_fix():
         poptorch.plan(model, _inputs(), ipus=2, progress=False)
     poptorch.removeBlocks(model)
     assert Planner(model, _inputs(), ipus=2).units
+
+
+class TiedLM(nn.Module):
+    """Embedding, four layers, and a head tied to the embedding."""
+
+    def __init__(self, vocab=64, width=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                                    for _ in range(4))
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return poptorch.identity_loss(nn.functional.cross_entropy(
+            self.head(x).flatten(0, 1), ids.flatten()), "none")
+
+
+def test_suggest_split_keeps_tied_weights_on_one_ipu_and_applies_with_auto_increment():
+    """The contiguous split would use the tied weight on two IPUs (refused);
+    the plan puts the head back on IPU 0 with the embedding, and applying it
+    with AutoIncrement stages trains."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    plan = poptorch.suggest_split(model, 2, ids, optimizer=_sgd(model))
+    assert plan.fits and plan.boundaries[0] == ("embed", 0) and plan.boundaries[-1] == ("head", 0)
+    assert plan.needs_auto_increment and "AutoIncrement" in plan.explain()
+    plan.apply(model)
+    opts = poptorch.Options().setExecutionStrategy(
+        poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement))
+    opts.Training.gradientAccumulation(6)
+    tm = poptorch.trainingModel(model, opts, _sgd(model))
+    loss = tm(ids.repeat(6, 1))
+    assert torch.isfinite(loss).all() and tm.getIR().n_ipus == 2

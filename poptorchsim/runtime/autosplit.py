@@ -60,13 +60,32 @@ class SplitPlan:
 
     @property
     def boundaries(self):
-        """(module name, ipu) where each IPU's first layer begins."""
-        return [(self.layers[g[0]].name, ipu) for ipu, g in enumerate(self.groups) if g]
+        """(module name, ipu) wherever the IPU changes, in execution order
+        (an IPU's layers need not be contiguous: embeddings and the head
+        tied to them both on IPU 0)."""
+        ipu_of = {i: ipu for ipu, g in enumerate(self.groups) for i in g}
+        out, last = [], None
+        for i, layer in enumerate(self.layers):
+            if ipu_of.get(i) is not None and ipu_of[i] != last:
+                out.append((layer.name, ipu_of[i]))
+                last = ipu_of[i]
+        return out
+
+    @property
+    def needs_auto_increment(self):
+        """An IPU comes back after a later one: the blocks' stages must be
+        numbered in execution order (``PipelinedExecution(AutoStage.
+        AutoIncrement)``), not by IPU."""
+        ipus = [ipu for _, ipu in self.boundaries]
+        return any(b < a for a, b in zip(ipus, ipus[1:]))
 
     def apply(self, model):
         """Adds ``BeginBlock(layer, user_id=name, ipu_id=i)`` at every boundary."""
-        for name, ipu in self.boundaries:
-            _blocks.begin_block(model.get_submodule(name), f"ipu{ipu}", ipu)
+        seen = set()
+        for k, (name, ipu) in enumerate(self.boundaries):
+            _blocks.begin_block(model.get_submodule(name),
+                                f"ipu{ipu}" + (f".{k}" if ipu in seen else ""), ipu)
+            seen.add(ipu)
         return model
 
     def explain(self):
@@ -93,6 +112,10 @@ class SplitPlan:
                          " enough per replica at this micro-batch.")
         lines.append("Apply it with: plan.apply(model)  # BeginBlock at "
                      + ", ".join(f"{n} -> IPU {i}" for n, i in self.boundaries))
+        if self.needs_auto_increment:
+            lines.append("  and options.setExecutionStrategy(poptorch.PipelinedExecution("
+                         "poptorch.AutoStage.AutoIncrement)): IPU 0 comes back after the "
+                         "others, so stages follow execution order.")
         lines.extend(self.notes)
         return "\n".join(lines)
 
