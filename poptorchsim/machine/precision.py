@@ -34,16 +34,19 @@ aten = torch.ops.aten
 
 
 # fp16 kernels PyTorch's CPU build runs far slower than the same op in fp32
-# (measured: pow 6.7x, tanh 2.7x, convolution_backward 96x; convolution 10-20x
-# on CPUs whose oneDNN has no fp16 convolution, where ATen falls back to
-# slow_conv2d: ResNet-18's fp16 step was 5x its fp32 one; benchmarks/
-# host_speed.py): computed in fp32 and rounded to nearest fp16, which is
-# what they compute in fp16 (pow, tanh: the same values) or closer to it
-# (convolutions: one rounding of an fp32 accumulation, which is what the
-# IPU's float partials compute)
+# (measured: pow 6.7x, tanh 2.7x, convolution_backward 96x; on a CPU with
+# AVX2 but no native fp16 arithmetic (AVX-512 FP16, AMX), where oneDNN has no
+# fp16 convolution or GEMM, the forward convolution falls back to slow_conv2d
+# and the matmuls to a reference GEMM: ResNet-18's fp16 step took 5x its
+# fp32 one, GPT-2's 9x; benchmarks/host_speed.py): computed in fp32 and
+# rounded to nearest fp16, which is what they compute in fp16 (pow, tanh:
+# the same values) or closer to it (convolutions and matmuls: one rounding
+# of an fp32 accumulation, which is what the IPU's float partials compute;
+# half partials have their own kernels, machine/half_partials.py)
 SLOW_IN_HALF = {aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar,
                 aten.tanh.default, aten.convolution.default,
-                aten.convolution_backward.default}
+                aten.convolution_backward.default, aten.mm.default, aten.addmm.default,
+                aten.bmm.default, aten.baddbmm.default}
 
 
 # fp16 kernels whose result is the fp32 kernel's rounded to nearest fp16, bit
