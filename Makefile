@@ -30,6 +30,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/model_hub.py --markdown benchmarks/out/model_hub.md
 	$(BIN)/python benchmarks/compile_passes.py
 	$(BIN)/python benchmarks/host_speed.py
+	$(BIN)/python benchmarks/planner.py --json benchmarks/out/planner.json
+	$(BIN)/python benchmarks/meta_compile.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
