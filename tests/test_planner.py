@@ -199,3 +199,24 @@ def test_suggest_split_keeps_tied_weights_on_one_ipu_and_applies_with_auto_incre
     tm = poptorch.trainingModel(model, opts, _sgd(model))
     loss = tm(ids.repeat(6, 1))
     assert torch.isfinite(loss).all() and tm.getIR().n_ipus == 2
+
+
+def test_a_model_built_without_weights_is_planned(tmp_path):
+    """Sizing without the weights on the host: a meta-device model plans
+    like its twin with weights; a split that cannot compile (the tied
+    weight on two IPUs) is tried once, not once per setting."""
+    def build():
+        torch.manual_seed(0)
+        return TiedLM()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.device("meta"):
+        meta = build()
+    real = build()
+    search = dict(micro_batches=(2,), amps=(0.6,), progress=False)
+    got = poptorch.plan(meta, (ids,), ipus=2, optimizer=_sgd(meta), **search)
+    want = poptorch.plan(real, (ids,), ipus=2, optimizer=_sgd(real), **search)
+    assert [(r.config, r.peak_tile, r.samples_per_second) for r in got.results] == \
+        [(r.config, r.peak_tile, r.samples_per_second) for r in want.results]
+    broken = [r for r in got.results if not r.peak_tile]
+    assert broken and all("share weights" in r.reason for r in broken)
+    assert len({r.config.ipu_of_unit for r in broken}) == len(broken)

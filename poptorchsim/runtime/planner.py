@@ -299,9 +299,12 @@ class Planner:
                     for o, p, a, r in settings:
                         if o == "sharded" and replicas == 1:
                             continue
-                        if run(Configuration(micro, split, replicas, ga, a, o, p, r)).fits:
+                        res = run(Configuration(micro, split, replicas, ga, a, o, p, r))
+                        if res.fits:
                             fitted = True
                             break     # later settings only save memory at a cost in speed
+                        if not res.peak_tile:
+                            break     # it did not compile (a tied weight on two IPUs, ...)
                     if fitted:
                         fitted_any = True
                     else:
