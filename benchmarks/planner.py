@@ -78,18 +78,18 @@ def _bert(size, serialization):
     return model, optimizer, inputs
 
 
+def _layout(units, layers_per_ipu, layer_marker, ipu_of_end=lambda unit: 0):
+    """Graphcore's layout of a model with embeddings and a tied head: the
+    repeated layers (units holding ``layer_marker``) by ``layers_per_ipu``,
+    the other units on ``ipu_of_end(unit)`` (IPU 0: embeddings, heads)."""
+    ipu_of = iter([ipu for ipu, n in enumerate(layers_per_ipu) for _ in range(n)])
+    return tuple(next(ipu_of) if layer_marker in u else ipu_of_end(u) for u in units)
+
+
 def _bert_split(units, layers_per_ipu):
     """Graphcore's BERT layout: embeddings, pooler and heads on IPU 0, the
     encoder layers by ``layers_per_ipu``."""
-    ipu_of = [ipu for ipu, n in enumerate(layers_per_ipu) for _ in range(n)]
-    out, layer = [], 0
-    for u in units:
-        if ".layer." in u:
-            out.append(ipu_of[layer])
-            layer += 1
-        else:
-            out.append(0)
-    return tuple(out)
+    return _layout(units, layers_per_ipu, ".layer.")
 
 
 def bert_base():
@@ -139,17 +139,10 @@ def gpt2_medium():
     optimizer = poptorch.optim.AdamW(model.parameters(), lr=1.5e-4, loss_scaling=1024,
                                      accum_type=torch.float16)
 
-    def graphcore(units):
-        split = [0, 3, 3, 3, 3, 4, 4, 4]
-        ipu_of = [ipu for ipu, n in enumerate(split) for _ in range(n)]
-        out, layer = [], 0
-        for u in units:
-            if ".h." in u:
-                out.append(ipu_of[layer])
-                layer += 1
-            else:
-                out.append(7 if u.endswith("ln_f") else 0)
-        return Configuration(1, tuple(out), 2, 4096, (0.3,) + (0.15,) * 7, "sharded", "half")
+    def graphcore(units):           # the final layer norm on the last IPU, as the examples
+        split = _layout(units, [0, 3, 3, 3, 3, 4, 4, 4], ".h.",
+                        lambda u: 7 if u.endswith("ln_f") else 0)
+        return Configuration(1, split, 2, 4096, (0.3,) + (0.15,) * 7, "sharded", "half")
     search = dict(micro_batches=(1, 2), ipus_per_replica=(8,), amps=(0.3, 0.15),
                   optimizer_states=("sharded",), partials=("half",), global_batch=8192)
     inputs = (torch.zeros(1, 1024, dtype=torch.long),)

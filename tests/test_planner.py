@@ -220,3 +220,34 @@ def test_a_model_built_without_weights_is_planned(tmp_path):
     broken = [r for r in got.results if not r.peak_tile]
     assert broken and all("share weights" in r.reason for r in broken)
     assert len({r.config.ipu_of_unit for r in broken}) == len(broken)
+
+
+def test_each_searched_setting_reaches_the_compile():
+    """Recomputation, partials, IPUs per replica and the accumulation are
+    each compiled as asked, not accepted and ignored."""
+    torch.manual_seed(0)
+    model = Stack()
+    planner = Planner(model, _inputs(), _sgd(model), _test_ipu(), ipus=4, max_ipus_per_replica=4)
+    split = (0, 0, 1, 1, 2, 2, 3, 3)
+    kept, recomputed = (planner.evaluate(Configuration(64, split, 1, 8, 0.6, recomputation=r))
+                        for r in ("none", "pipeline"))
+    assert max(recomputed.peak_tile) < max(kept.peak_tile)
+    assert recomputed.samples_per_second < kept.samples_per_second
+    half = Stack().half()
+    x, y = _inputs()
+    planner = Planner(half, (x.half(), y), _sgd(half), _test_ipu(), ipus=4,
+                      max_ipus_per_replica=4)
+    speeds = {p: planner.evaluate(Configuration(2, split, 1, 8, 0.6, partials=p))
+              .samples_per_second for p in ("float", "half")}
+    assert speeds["half"] > speeds["float"]       # the AMP's fp16-partials rate
+    result = planner.search(micro_batches=(2,), ipus_per_replica=(2,), accumulation=5,
+                            amps=(0.6,), optimizer_states=("on chip",), progress=False)
+    assert result.results and all(r.config.ipus_per_replica == 2 for r in result.results)
+    assert all(r.config.accumulation == max(5, 2 * stages_of(r.config.ipu_of_unit))
+               for r in result.results)
+
+
+def test_suggest_split_plans_training_programs_only():
+    model = Stack()
+    with pytest.raises(poptorch.Error, match="pass training=True"):
+        poptorch.suggest_split(model, 2, *_inputs(), training=False)

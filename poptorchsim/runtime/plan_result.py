@@ -80,7 +80,6 @@ class PlanResult:
     results: list                     # Evaluated, ranked
     seconds: float = 0.0
     compiles: int = 0
-    notes: list = field(default_factory=list)
     included: list = field(default_factory=list)   # the configurations given to evaluate
 
     @property
@@ -114,7 +113,6 @@ class PlanResult:
             for r in bad[:rejected]:
                 lines.append(f"     {r.config.describe(self.repeated)}: "
                              + r.reason.splitlines()[0])
-        lines.extend(self.notes)
         return "\n".join(lines)
 
     __str__ = table
