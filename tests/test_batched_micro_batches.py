@@ -95,7 +95,8 @@ def test_batched_equals_serial_within_fp32_rounding(extra):
 @pytest.mark.parametrize("extra, configure, dtype, reason", [
     (nn.Dropout(0.5), None, torch.float32, "random"),
     (EvalNorm(16), None, torch.float32, "reads its buffers"),
-    (None, None, torch.float16, "fp16"),
+    (None, lambda o: o.Precision.enableStochasticRounding(True), torch.float16,
+     "stochastic rounding"),
 ])
 def test_programs_that_need_the_serial_order_keep_it(extra, configure, dtype, reason):
     tm, _, _, calls = _train(True, extra, calls=1, configure=configure, dtype=dtype)
@@ -140,17 +141,18 @@ class ConvNet(nn.Module):
         return out, self.loss(out, y)
 
 
-def _train_conv(batched, calls=2):
+def _train_conv(batched, calls=2, dtype=torch.float32):
     torch.manual_seed(0)
-    net = ConvNet()
+    net = ConvNet().to(dtype)
     opts = quiet_options().deviceIterations(DI).replicationFactor(RF)
     opts.Training.gradientAccumulation(GA)
     opts.outputMode(poptorch.OutputMode.All)
-    tm = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.1,
-                                                           momentum=0.9))
+    scaling = {"loss_scaling": 64.0} if dtype == torch.float16 else {}
+    tm = poptorch.trainingModel(net, opts, poptorch.optim.SGD(net.parameters(), lr=0.1,
+                                                              momentum=0.9, **scaling))
     n = DI * GA * RF * MICRO
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 5, (n,), generator=g)
+    x, y = torch.randn(n, 3, 8, 8, generator=g).to(dtype), torch.randint(0, 5, (n,), generator=g)
     tm.compile(x, y)
     if not batched:
         tm._engine.batch_fn = None
@@ -193,3 +195,30 @@ def test_the_unfolded_weight_gradient_equals_atens(stride, padding, dilation, ke
                                               False, [0, 0], 1, [False, True, False])[1]
     torch.testing.assert_close(_unfolded(grad, x, w, stride, padding, dilation), ref,
                                rtol=1e-5, atol=1e-5)
+
+
+def test_fp16_steps_batch_like_the_serial_order():
+    """An fp16 CNN with batch norm and fp32 gradient accumulators batches:
+    each micro-batch's fp16 gradient is rounded on its own and added to the
+    accumulator in the serial order (the convolutions' weight gradients made
+    per micro-batch by one product after the batched call); the gradient
+    watch counts the first micro-batch of its calls, run on its own, with
+    the serial order's numbers."""
+    serial, serial_outs, serial_weights = _train_conv(False, calls=3, dtype=torch.float16)
+    tm, outs, weights = _train_conv(True, calls=3, dtype=torch.float16)
+    fn = tm._engine.batch_fn
+    assert fn is not None and fn.tail is not None and fn.deferred == 2
+    assert tm._engine.accumulation is not None          # fp32 accumulators
+    for a, b in zip(serial_outs, outs):
+        for p, q in zip(a, b):
+            assert q.dtype == p.dtype
+            torch.testing.assert_close(q, p, rtol=2e-3, atol=1e-3)
+    for p, q in zip(serial_weights, weights):
+        assert q.dtype == torch.float16
+        torch.testing.assert_close(q, p, rtol=2e-3, atol=1e-4)
+    for r in range(RF):
+        for p, q in zip(serial._state.buffers[r], tm._state.buffers[r]):
+            torch.testing.assert_close(q, p, rtol=2e-3, atol=1e-4)
+    s_watch, b_watch = serial._compiled.watch, tm._compiled.watch
+    assert b_watch.values == s_watch.values > 0
+    assert (b_watch.underflowed, b_watch.nonzero) == (s_watch.underflowed, s_watch.nonzero)

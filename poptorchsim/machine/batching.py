@@ -77,6 +77,26 @@ def _running_stats(input, weight, bias, running_mean, running_var, training, mom
     return None, None, None, mean, var
 
 
+def _without_running_stats(op):
+    """Batch norm's backward in training without the running statistics,
+    which it ignores (the head then needs none of their new values)."""
+    if op.target is _BN_BACKWARD and _arg(op, 7, "train") and len(op.args) > 4:
+        return replace(op, args=tuple(op.args[:3]) + (None, None) + tuple(op.args[5:]))
+    return op
+
+
+def _needed_only(graph):
+    """``graph`` without the ops none of its outputs needs (the head's copy
+    of the tail's ops: under ``vmap`` they would run batched for nothing)."""
+    needed, kept = {t.id for t in graph.outputs}, []
+    for op in reversed(graph.ops):
+        if op.inplace or op.subgraphs or any(t is not None and t.id in needed
+                                             for t in op.outputs):
+            kept.append(op)
+            needed |= {t.id for t in op.input_tensors()}
+    return replace(graph, ops=kept[::-1])
+
+
 def buffer_split(graph):
     """``(BufferSplit, None)``, or ``(None, reason)`` when the step's other
     outputs read its buffers (batch norm in eval mode inside a training
@@ -116,7 +136,8 @@ def buffer_split(graph):
             boundary.append(t)
     tail_ops = [replace(op, target=_running_stats)
                 if op.target is _BN_FORWARD else op for op in tail_ops]
-    head = replace(graph, outputs=list(others) + boundary)
+    head = _needed_only(replace(graph, ops=[_without_running_stats(op) for op in graph.ops],
+                                outputs=list(others) + boundary))
     tail = Graph(graph.name + "/buffers", inputs=buffers + boundary, ops=tail_ops,
                  outputs=list(new), tensors=graph.tensors)
     return BufferSplit(head, tail, boundary), None
@@ -127,14 +148,15 @@ def serial_reason(graph):
     another, or None when they may run as one batched call: random ops
     (each micro-batch draws its own numbers, in order), host ops and custom
     ops, loops and conditionals, buffers the step's other outputs read,
-    model inputs it writes, and fp16 programs (stochastic rounding draws in
-    order; the gradient watch counts on the host), floating-point checks
-    and automatic loss scaling's statistics."""
+    model inputs it writes, stochastic rounding (its draws are made in
+    order), floating-point checks and automatic loss scaling's statistics.
+    fp16 programs batch: the gradient watch counts the first micro-batch
+    of a call, which the engine runs on its own first."""
     for op in graph.ops:
         if op.cost_class in _SERIAL_CLASSES or op.subgraphs:
             return f"{op.cost_class} op {op.name}"
-    if graph.watch is not None or graph.rounding is not None:
-        return "fp16 gradient watch or stochastic rounding"
+    if graph.rounding is not None:
+        return "stochastic rounding"
     if graph.floating_point_checks:
         return "floating-point checks"
     if graph.statistics_outputs or graph.input_writes:
@@ -256,53 +278,88 @@ def _fold(rows):
     return rows.reshape((rows.shape[0] * rows.shape[1],) + tuple(rows.shape[2:]))
 
 
-def _unfolded(grad, inp, weight, stride, padding, dilation):
+def _unfolded(grad, inp, weight, stride, padding, dilation, rows=None):
     """A 2-D convolution's weight gradient as the input's patches (im2col)
     times the output gradient, one matrix product over every sample and
     position: on the CPU 3-4x faster than ATen's convolution backward for
-    small feature maps with many channels (ResNet's last stage at 2x2)."""
+    small feature maps with many channels (ResNet's last stage at 2x2).
+    ``rows``: the samples are ``rows`` micro-batches one after another, and
+    each micro-batch gets its own gradient (stacked), still one product."""
     cols = torch.nn.functional.unfold(inp, tuple(weight.shape[2:]), dilation=dilation,
                                       padding=padding, stride=stride)
     g = grad.reshape(grad.shape[0], grad.shape[1], -1)
-    return torch.einsum("nol,nkl->ok", g, cols).reshape(weight.shape)
+    if rows is None:
+        return torch.einsum("nol,nkl->ok", g, cols).reshape(weight.shape)
+    g = g.reshape((rows, -1) + tuple(g.shape[1:]))
+    cols = cols.reshape((rows, -1) + tuple(cols.shape[1:]))
+    return torch.einsum("bnol,bnkl->bok", g, cols).reshape((rows,) + tuple(weight.shape))
 
 
-class _SummedWeightGrad:
-    """The summed weight (and bias) gradient of one deferred convolution
-    backward over the folded micro-batches, by whichever of two exact forms
-    of it ran faster the first time (ATen's convolution backward, or
-    ``_unfolded`` for 2-D convolutions with one group): both sum the same
-    products, in another order (within fp32 rounding of each other)."""
+class _WeightGrad:
+    """The weight (and bias) gradient of one deferred convolution backward
+    over the folded micro-batches, by whichever of two exact forms of it ran
+    faster the first time (ATen's convolution backward, or ``_unfolded`` for
+    2-D convolutions with one group): both sum the same products, in
+    another order (within fp32 rounding of each other).
 
-    def __init__(self, op):
+    Summed (``per_row`` False): one gradient, the sum over the micro-batches.
+    ``per_row``: one gradient per micro-batch, stacked, computed in fp32 and
+    rounded to the op's result types (fp16 gradients are rounded micro-batch
+    by micro-batch, as in the serial order): ATen's form then runs once
+    per micro-batch, the unfolded one still as one product."""
+
+    def __init__(self, op, per_row=False):
         self.op = op
+        self.per_row = per_row
         self.mask = [False, bool(op.args[10][1]), bool(op.args[10][2])]
+        self.dtypes = [op.outputs[k].dtype if op.outputs[k] is not None else None
+                       for k in (1, 2)]
         stride, padding, dilation, transposed, _, groups = op.args[4:10]
         self.unfoldable = (not transposed and groups == 1 and len(stride) == 2
                            and self.mask[1])
         self.choice = None if self.unfoldable else "aten"
 
-    def _aten(self, grad, inp, weight):
-        return _CONV_BACKWARD(grad, inp, weight, *self.op.args[3:10], self.mask)[1:]
+    def _aten(self, grad, inp, weight, rows):
+        if not rows:
+            return _CONV_BACKWARD(grad, inp, weight, *self.op.args[3:10], self.mask)[1:]
+        parts = [_CONV_BACKWARD(g, x, weight, *self.op.args[3:10], self.mask)[1:]
+                 for g, x in zip(grad.chunk(rows), inp.chunk(rows))]
+        return tuple(torch.stack([p[k] for p in parts]) if parts[0][k] is not None else None
+                     for k in (0, 1))
 
-    def _unfold(self, grad, inp, weight):
+    def _unfold(self, grad, inp, weight, rows):
         stride, padding, dilation = self.op.args[4:7]
-        bias = grad.sum((0, 2, 3)) if self.mask[2] else None
-        return _unfolded(grad, inp, weight, stride, padding, dilation), bias
+        if not self.mask[2]:
+            bias = None
+        elif rows:
+            bias = grad.reshape((rows, -1) + tuple(grad.shape[1:])).sum((1, 3, 4))
+        else:
+            bias = grad.sum((0, 2, 3))
+        return _unfolded(grad, inp, weight, stride, padding, dilation, rows), bias
 
     def __call__(self, grad, inp, weight):
+        rows = None
+        if self.per_row:
+            rows = len(grad)
+            grad, inp, weight = _fold(grad).float(), _fold(inp).float(), weight.float()
+        else:
+            grad, inp = _fold(grad), _fold(inp)
         if self.choice is None:             # time both once, keep the faster
             seconds, outs = {}, {}
             for name in ("aten", "unfold"):
                 start = time.perf_counter()
-                outs[name] = getattr(self, "_" + name)(grad, inp, weight)
+                outs[name] = getattr(self, "_" + name)(grad, inp, weight, rows)
                 seconds[name] = time.perf_counter() - start
             self.choice = min(seconds, key=seconds.get)
-            return outs[self.choice]
-        return getattr(self, "_" + self.choice)(grad, inp, weight)
+            out = outs[self.choice]
+        else:
+            out = getattr(self, "_" + self.choice)(grad, inp, weight, rows)
+        if not self.per_row:
+            return tuple(o.unsqueeze(0) if o is not None else None for o in out)
+        return tuple(o.to(d) if o is not None else None for o, d in zip(out, self.dtypes))
 
 
-def batched_graph(graph, summed=None):
+def batched_graph(graph, summed=None, per_row=False):
     """``f(shared, batched, extra) -> outputs stacked along a new first dim``:
     ``graph`` run once per row of the ``batched`` inputs (``torch.func.vmap``
     over the graph's function, compiled without in-place writes, which vmap
@@ -311,7 +368,9 @@ def batched_graph(graph, summed=None):
 
     ``summed``: (start, stop) of the outputs the caller only sums over the
     rows (the gradients); of those, convolution weight gradients come back
-    already summed, as one row (``_summed_weight_grads``).
+    already summed, as one row (``_summed_weight_grads``), or with
+    ``per_row`` one row per micro-batch, made by one product after the
+    batched call rather than per row inside it (``_WeightGrad``).
 
     For a step that writes its buffers, ``f`` runs the head of its
     ``buffer_split`` (its outputs end with the boundary values, one row per
@@ -323,7 +382,7 @@ def batched_graph(graph, summed=None):
     n_head = len(head.outputs) - 2 * len(deferred)
     fn = compile_graph(head, in_place=False)
     position = {t.id: k for k, t in enumerate(graph.inputs)}
-    weight_grads = [_SummedWeightGrad(op) for op in deferred]
+    weight_grads = [_WeightGrad(op, per_row) for op in deferred]
 
     def run(shared, batched, extra):
         outs = torch.func.vmap(lambda *rows: fn(list(shared) + list(rows) + list(extra)))(
@@ -333,10 +392,9 @@ def batched_graph(graph, summed=None):
         sums = []
         for d, (op, weight_grad) in enumerate(zip(deferred, weight_grads)):
             grad, inp = outs[n_head + 2 * d], outs[n_head + 2 * d + 1]
-            sums.append((None,) + tuple(weight_grad(_fold(grad), _fold(inp),
-                                                    shared[position[op.args[2].id]])))
+            sums.append((None,) + weight_grad(grad, inp, shared[position[op.args[2].id]]))
         kept = iter(outs[:n_head])
-        return [sums[slots[pos][0]][slots[pos][1]].unsqueeze(0) if pos in slots else next(kept)
+        return [sums[slots[pos][0]][slots[pos][1]] if pos in slots else next(kept)
                 for pos in range(n_head + len(slots))]
     run.tail = compile_graph(split.tail) if split else None
     run.n_boundary = len(split.boundary) if split else 0

@@ -168,6 +168,7 @@ class Engine:
         # runs many micro-batches of the training step as one call
         # (batching.batched_graph); None: one after another
         self.batch_fn = None
+        self.watch = None           # the step's GradientWatch (fp16), or None
         self._batch = None          # (device iteration, micro-batch, replica) collected
         # the rule for each kind of control step (a subclass may override one)
         self._rules = {kind: getattr(self, "_" + kind.__name__) for kind in STEP_KINDS}
@@ -277,10 +278,9 @@ class Engine:
 
     def _batchable(self):
         """May this weight update's micro-batches run as one batched call?
-        (A batched function, plain gradient sums, no loss-scale statistics,
-        no written inputs; ``batching.serial_reason`` checked the graph.)"""
-        return (self.batch_fn is not None and self.accumulation is None
-                and self._scale is None and not self.n_writes)
+        (A batched function, no loss-scale statistics, no written inputs;
+        ``batching.serial_reason`` checked the graph.)"""
+        return self.batch_fn is not None and self._scale is None and not self.n_writes
 
     def _run_batched(self, batch, rows=16):
         """The training step of every (i, g, r) in ``batch``, ``rows`` at a
@@ -289,8 +289,13 @@ class Engine:
         updated micro-batch by micro-batch in the serial order by the
         batched function's ``tail`` (``batching.batched_graph``).  Should
         the batched call fail (an op vmap cannot batch), the engine runs
-        serially from then on."""
+        serially from then on.  A call the fp16 gradient watch counts runs
+        its first micro-batch (the one counted) on its own first."""
         state, u = self._state, self._update
+        if self.watch is not None and self.watch.counting and batch:
+            (i, g, r), batch = batch[0], batch[1:]
+            self._counters["device_iteration"], self._counters["accumulation"] = i, g
+            self._micro_batch(r)
         n_train, n_buf = state.n_trainable, len(state.buffers[0])
         tail = getattr(self.batch_fn, "tail", None)
         shared = state.params + state.buffers[0]
@@ -320,9 +325,28 @@ class Engine:
                 if tail is not None:
                     state.buffers[r] = tail(state.buffers[r]
                                             + [o[k] for o in outs[n_out + n_train:]])
-            grads = [o.sum(0) for o in outs[n_out:n_out + n_train]]
+            self._add_rows(outs[n_out:n_out + n_train], len(part))
+
+    def _add_rows(self, rows, n):
+        """The gradients of ``n`` micro-batches (one row each) added into the
+        update's accumulators: fp32 gradients summed over the rows at once
+        (within fp32 rounding of the serial order; a convolution's weight
+        gradient may come already summed, as one row), others row by row
+        in the serial order (an fp16 gradient is rounded per micro-batch,
+        and accumulates in its accumulator's type)."""
+        u = self._update
+        if self.accumulation is None and all(o.dtype == torch.float32 for o in rows):
+            grads = [o.sum(0) for o in rows]
             u.acc = grads if u.acc is None else [a + b for a, b in zip(u.acc, grads)]
-            u.k += len(part)
+            u.k += n
+            return
+        for k in range(n):
+            grads = [o[k] for o in rows]
+            if self.accumulation is None:
+                u.acc = grads if u.acc is None else [a + b for a, b in zip(u.acc, grads)]
+            else:
+                u.acc = self.accumulation.add(u.acc, grads, u.k, self._state, self._apart)
+            u.k += 1
 
     @property
     def _apart(self):

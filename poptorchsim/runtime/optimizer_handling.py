@@ -51,12 +51,16 @@ class _OptimizerHandling:
         step = c.program.graphs[c.program.model_graph]
         serial = (not self._training or self._observe.tap is not None
                   or serial_reason(step) is not None)
+        e.watch = step.watch if self._training else None
         if serial:
             e.batch_fn = None
             return
-        # the gradients (summed over the micro-batches) end where the buffers begin
+        # the gradients (summed over the micro-batches) end where the buffers
+        # begin; fp32 ones summed at once, others added micro-batch by micro-batch
         stop = len(step.outputs) - sum(t.role == "buffer" for t in step.inputs)
-        e.batch_fn = batched_graph(step, (stop - len(c.capture.trainable_names), stop))
+        grads = step.outputs[stop - len(c.capture.trainable_names):stop]
+        plain = e.accumulation is None and all(t.dtype == torch.float32 for t in grads)
+        e.batch_fn = batched_graph(step, (stop - len(grads), stop), per_row=not plain)
 
     def _configure_update(self):
         """The engine runs the compiled update the way its plan says: state
