@@ -162,14 +162,23 @@ def _tensors(x, found=None):
 def recording():
     """While tracing: collect blocks in the order the model enters them, and
     follow tensors across block boundaries."""
-    _state.blocks, _state.extra = [], {}
+    _state.blocks, _state.extra, _state.crossings = [], {}, _BlockCrossings()
     try:
-        with fx_traceback.preserve_node_meta(), _BlockCrossings():
+        with fx_traceback.preserve_node_meta():
             fx_traceback.current_meta.pop("custom", None)
             yield _state.blocks
     finally:
         fx_traceback.current_meta.pop("custom", None)
-        _state.blocks = _state.extra = None
+        _state.blocks = _state.extra = _state.crossings = None
+
+
+def following_crossings():
+    """The mode that follows tensors across block boundaries, entered
+    around the model's forward (where the user's torch calls are: entered
+    outside ``make_fx`` it would also see every call PyTorch makes inside
+    the trace, three times as many); a no-op context when not recording."""
+    mode = getattr(_state, "crossings", None) if is_recording() else None
+    return mode if mode is not None else contextlib.nullcontext()
 
 
 def trace_state():

@@ -85,9 +85,10 @@ def _quietly(manager):
             manager.__exit__(None, None, None)
 
 
-class _TraceableForms(TorchFunctionMode):
+class TraceableForms(TorchFunctionMode):
     """Calls that PyTorch cannot functionalize or trace as written, traced in
-    an equivalent form:
+    an equivalent form (entered around the model's forward, where the
+    user's calls are):
 
     * ``F.one_hot(y, n)``: its kernel checks the values of ``y`` even though
       ``n`` fixes the shape; traced as ``y[..., None] == arange(n)``;
@@ -164,14 +165,14 @@ def tracing_backends():
     (matmuls and softmax, differentiable op by op, as the IPU computes it),
     an LSTM through oneDNN's fused layer where eager PyTorch uses it (the IPU
     runs popnn's fused LSTM too), and no fast-path kernels in
-    ``nn.MultiheadAttention`` or ``nn.TransformerEncoder``; ``one_hot`` and
-    ``out=`` in a traceable form; RNNs given a ``PackedSequence`` fail with a
+    ``nn.MultiheadAttention`` or ``nn.TransformerEncoder``; RNNs given a
+    ``PackedSequence`` fail with a
     clear error; torch.compiler reports exporting, as under torch.export;
     ``nn.Transformer`` does not read a mask's values to guess causality."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     mha = getattr(torch.backends, "mha", None)
     fastpath = mha.get_fastpath_enabled() if mha is not None else None
-    with sdpa_kernel([SDPBackend.MATH]), _TraceableForms():
+    with sdpa_kernel([SDPBackend.MATH]):
         if mha is not None:
             mha.set_fastpath_enabled(False)
         hook = torch.nn.modules.module.register_module_forward_pre_hook(_no_packed_sequences)

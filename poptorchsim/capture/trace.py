@@ -25,7 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..errors import DataDependentError, Error, InputError, LossError
 from . import blocks as _blocks
 from . import losses as _losses
-from .decompositions import decompositions, tracing_backends
+from .decompositions import TraceableForms, decompositions, tracing_backends
 from .mixed_precision import MixedPrecision
 from .op_calls import PoptorchOpCalls
 from .weightless import explain_meta_constant, fake_meta_example
@@ -298,8 +298,9 @@ def _call_checked(module, state, args, kwargs, buffer_names):
     reassigning a buffer or parameter (PopTorch's texts)."""
     from torch.nn.utils.stateless import _reparametrize_module
     from ..errors import Error
-    with _reparametrize_module(module, state, tie_weights=True), MixedPrecision(), \
-            _no_distribution_checks(), PoptorchOpCalls():
+    with _reparametrize_module(module, state, tie_weights=True), TraceableForms(), \
+            _blocks.following_crossings(), MixedPrecision(), _no_distribution_checks(), \
+            PoptorchOpCalls():
         out = module(*args, **kwargs)
         for name, tensor in state.items():
             kind = "Buffer" if name in buffer_names else "Parameter"
