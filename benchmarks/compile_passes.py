@@ -30,17 +30,41 @@ import model_zoo  # noqa: E402  (the model table and its batch/image settings)
 QUICK = ["resnet18", "resnet50", "mobilenet_v3_small", "transformer_encoder", "gpt_block"]
 
 
-def compile_passes(name):
-    """{model, fx_nodes, ir_ops, total_s, passes: {pass: seconds}} of one model."""
+def make_fx_seconds(module, batch):
+    """Seconds PyTorch's own tracing takes for ``module``'s training step,
+    the floor of any trace-based compile: ``make_fx`` (fake tensors) of the
+    functionalized ``torch.func.grad_and_value`` of its loss, no
+    decompositions, no modes, nothing of poptorchsim."""
+    import time
+    from torch.func import functional_call, functionalize, grad_and_value
+    from torch.fx.experimental.proxy_tensor import make_fx
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    buffers = {k: v.detach() for k, v in module.named_buffers()}
+
+    def step(p, b, *inputs):
+        return grad_and_value(lambda p, b: functional_call(module, {**p, **b}, inputs)[1])(p, b)
+    start = time.perf_counter()
+    make_fx(functionalize(step, remove="mutations"), tracing_mode="fake")(params, buffers,
+                                                                         *batch)
+    return time.perf_counter() - start
+
+
+def compile_passes(name, floor=False):
+    """{model, fx_nodes, ir_ops, total_s, passes: {pass: seconds}} of one
+    model; ``floor``: also ``make_fx_s`` (``make_fx_seconds``)."""
     case, model = model_zoo.bench_case(model_zoo.KNOWN[name])
     model.train()
     batch, = model_zoo.zoo.make_batches(case, model, 1, seed=1)
-    tm = model_zoo.training_model(model_zoo.zoo.WithLoss(model, case.loss))
+    module = model_zoo.zoo.WithLoss(model, case.loss)
+    tm = model_zoo.training_model(module)
     tm.compile(*batch)
     fx_nodes, ir_ops = model_zoo.node_counts(tm)
     c = tm._compiled
-    return {"model": name, "fx_nodes": fx_nodes, "ir_ops": ir_ops,
-            "total_s": c.compile_seconds, "passes": dict(c.pass_seconds)}
+    row = {"model": name, "fx_nodes": fx_nodes, "ir_ops": ir_ops,
+           "total_s": c.compile_seconds, "passes": dict(c.pass_seconds)}
+    if floor:
+        row["make_fx_s"] = make_fx_seconds(module, batch)
+    return row
 
 
 def print_table(rows):
