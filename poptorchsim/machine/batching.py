@@ -17,7 +17,6 @@ from values of the head (the normalised layers' inputs), runs once per
 micro-batch in the serial order, on the buffers of that micro-batch's
 replica.  The buffers come out bit for bit as in the serial order.
 """
-import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -297,16 +296,21 @@ def _unfolded(grad, inp, weight, stride, padding, dilation, rows=None):
 
 class _WeightGrad:
     """The weight (and bias) gradient of one deferred convolution backward
-    over the folded micro-batches, by whichever of two exact forms of it ran
-    faster the first time (ATen's convolution backward, or ``_unfolded`` for
-    2-D convolutions with one group): both sum the same products, in
-    another order (within fp32 rounding of each other).
+    over the folded micro-batches, by one of two exact forms of it: ATen's
+    convolution backward, or ``_unfolded`` for 2-D convolutions with one
+    group whose output has at most ``UNFOLD_POSITIONS`` positions a sample
+    (there im2col and one product run 1.5-4x faster on the CPU; on larger
+    maps 2-8x slower).  Both sum the same products in another order (within
+    fp32 rounding of each other); the choice depends on the shapes alone,
+    so that runs repeat bit for bit.
 
     Summed (``per_row`` False): one gradient, the sum over the micro-batches.
     ``per_row``: one gradient per micro-batch, stacked, computed in fp32 and
     rounded to the op's result types (fp16 gradients are rounded micro-batch
     by micro-batch, as in the serial order): ATen's form then runs once
     per micro-batch, the unfolded one still as one product."""
+
+    UNFOLD_POSITIONS = 8
 
     def __init__(self, op, per_row=False):
         self.op = op
@@ -317,7 +321,6 @@ class _WeightGrad:
         stride, padding, dilation, transposed, _, groups = op.args[4:10]
         self.unfoldable = (not transposed and groups == 1 and len(stride) == 2
                            and self.mask[1])
-        self.choice = None if self.unfoldable else "aten"
 
     def _aten(self, grad, inp, weight, rows):
         if not rows:
@@ -344,16 +347,9 @@ class _WeightGrad:
             grad, inp, weight = _fold(grad).float(), _fold(inp).float(), weight.float()
         else:
             grad, inp = _fold(grad), _fold(inp)
-        if self.choice is None:             # time both once, keep the faster
-            seconds, outs = {}, {}
-            for name in ("aten", "unfold"):
-                start = time.perf_counter()
-                outs[name] = getattr(self, "_" + name)(grad, inp, weight, rows)
-                seconds[name] = time.perf_counter() - start
-            self.choice = min(seconds, key=seconds.get)
-            out = outs[self.choice]
-        else:
-            out = getattr(self, "_" + self.choice)(grad, inp, weight, rows)
+        small = grad.shape[-1] * grad.shape[-2] <= self.UNFOLD_POSITIONS
+        choice = "_unfold" if self.unfoldable and small else "_aten"
+        out = getattr(self, choice)(grad, inp, weight, rows)
         if not self.per_row:
             return tuple(o.unsqueeze(0) if o is not None else None for o in out)
         return tuple(o.to(d) if o is not None else None for o, d in zip(out, self.dtypes))
