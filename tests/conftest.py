@@ -13,12 +13,20 @@ import os
 # the IR verifier runs after every compiler pass in the test suite (and in
 # the programs tests start)
 os.environ.setdefault("POPTORCHSIM_VERIFY_PASSES", "1")
+# under pytest-xdist each worker computes with one thread (and so do the
+# programs tests start): two workers of two threads each on two cores stall
+# one another, several times slower than one thread each
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
 from torch import nn
 
 import poptorchsim
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 RTOL = 1e-5
 ATOL = 1e-6
