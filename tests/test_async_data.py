@@ -117,6 +117,23 @@ def test_an_epoch_stopped_early_restarts_from_the_beginning(indefinitely):
     accessor.terminate()
 
 
+def test_a_worker_epochs_ahead_gives_each_epoch_once_in_order():
+    """With load_indefinitely and a buffer larger than an epoch the worker runs
+    whole epochs ahead; the host's ``start`` of an epoch already queued must not
+    restart it (a second copy behind the next epoch's first item: that item
+    twice, every later one shifted, as Graphcore's BERT demo_tiny_128 saw with
+    2 batches an epoch and buffer_size 3 when the host ran slowly)."""
+    count = counter()
+    accessor = poptorch.AsynchronousDataAccessor(Counted(2, count), buffer_size=10,
+                                                 early_preload=True, **FORK)
+    # epochs 0-2 (2 items + eof each) and epoch 3's first item fill the
+    # buffer; epoch 3's second item waits for room
+    assert wait_for(lambda: count.value == 8)
+    for _ in range(6):
+        assert [int(t[0]) for t in accessor] == [0, 1]
+    accessor.terminate()
+
+
 def test_terminate_stops_the_worker():
     loader = poptorch.DataLoader(quiet_options(), dataset(), batch_size=2, mode=ASYNC,
                                  async_options=FORK)

@@ -11,7 +11,9 @@ them without a copy.
 The host and the worker count epochs.  Every message from the worker names
 the epoch it belongs to, and the host drops messages of an epoch it has
 abandoned (an iteration stopped early and restarted).  Host -> worker:
-``("start", epoch)`` (start or restart loading that epoch) and
+``("start", epoch)`` (start loading that epoch; the worker restarts its
+iterator only for an epoch later than its own, never for one it has
+already begun or, running ahead, already queued in full) and
 ``("shutdown",)``.  Worker -> host: ``("ready",)`` once, then ``(epoch,
 "item", data)``, ``(epoch, "eof")`` and ``(epoch, "error", text)``.
 
@@ -166,12 +168,17 @@ class _Producer:
     def handle(self, command):
         if command[0] == "shutdown":
             self.shutdown = True
-        elif command[1] != self.epoch:           # the host starts another epoch
+        elif command[1] > self.epoch:            # the host abandoned an epoch: restart
             self.epoch, self.iterator = command[1], iter(self.dataset)
             if self.rebatcher:
                 self.rebatcher.reset()
             self.loading = True
         else:
+            # this epoch (equal) or one this worker ran ahead past (lower: with
+            # load_indefinitely, every item and the eof of that epoch are queued
+            # already, in order). Restarting it would queue a second copy of
+            # the epoch behind items of the next one, which the host would take
+            # as that epoch's (its first batch twice, each later one shifted by one)
             self.loading = True
 
     def poll(self, block=False):
