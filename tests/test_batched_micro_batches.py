@@ -24,7 +24,8 @@ class Net(nn.Module):
         return out, self.loss(out, y)
 
 
-def _train(batched, extra=None, calls=2, configure=None, dtype=torch.float32):
+def _train(batched, extra=None, calls=2, configure=None, dtype=torch.float32,
+           optimizer=None):
     torch.manual_seed(0)
     net = Net(extra).to(dtype)
     opts = quiet_options().deviceIterations(DI).replicationFactor(RF)
@@ -32,8 +33,8 @@ def _train(batched, extra=None, calls=2, configure=None, dtype=torch.float32):
     opts.outputMode(poptorch.OutputMode.All)
     if configure:
         configure(opts)
-    tm = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.1,
-                                                           momentum=0.9))
+    make = optimizer or (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    tm = poptorch.trainingModel(net, opts, make(net.parameters()))
     n = DI * GA * RF * MICRO
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(n, 12, generator=g).to(dtype), torch.randint(0, 5, (n,), generator=g)
@@ -230,3 +231,23 @@ def test_batched_runs_repeat_bit_for_bit():
     weights = [_train_conv(True)[2] for _ in range(2)]
     for p, q in zip(*weights):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("configure, optimizer", [
+    (lambda o: o.Training.setMeanAccumulationAndReplicationReductionStrategy(
+        poptorch.MeanReductionStrategy.Running), None),
+    (None, lambda params: poptorch.optim.SGD(params, lr=0.1, momentum=0.9,
+                                             use_combined_accum=True)),
+], ids=["running-mean", "sgd-combined"])
+def test_accumulators_of_their_own_batch_in_the_serial_order(configure, optimizer):
+    """A running mean of the gradients, or SGD's combined variant (the
+    gradients added into the velocity), batches too: the rows are added
+    one by one through the accumulators, as in the serial order."""
+    _, serial_outs, serial_weights, _ = _train(False, configure=configure, optimizer=optimizer)
+    tm, outs, weights, calls = _train(True, configure=configure, optimizer=optimizer)
+    assert tm._engine.accumulation is not None and calls == [GA * RF] * (DI * 2)
+    for a, b in zip(serial_outs, outs):
+        for p, q in zip(a, b):
+            torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
+    for p, q in zip(serial_weights, weights):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
