@@ -8,6 +8,7 @@ import torch
 import poptorchsim as poptorch
 from conftest import LogRecords
 from poptorchsim.machine.precision import stochastic_round
+from poptorchsim.machine.rounding import RandomBits
 
 HALF = torch.float16
 
@@ -80,7 +81,7 @@ def test_stochastic_rounding_reproducible_from_seed():
 
 
 def test_stochastic_round_unbiased_and_exact_on_fp16_values():
-    g = torch.Generator().manual_seed(0)
+    g = RandomBits(0)
     for value in (1.0001, -3.14159, 1e-6, 70000.0 / 3):      # normal, negative, subnormal
         x = torch.full((200_000,), value, dtype=torch.float32)
         r = stochastic_round(x, g)
@@ -92,6 +93,31 @@ def test_stochastic_round_unbiased_and_exact_on_fp16_values():
     exact = torch.tensor([0.0, -0.0, 1.0, 65504.0, float("inf"), 2 ** -24], dtype=torch.float32)
     assert torch.equal(stochastic_round(exact, g).float(), exact)
     assert torch.isnan(stochastic_round(torch.tensor([float("nan")]), g)).all()
+    # NaNs whose payload fills the mantissa: adding the random bits must not
+    # carry into the sign and make them zero or finite
+    payloads = torch.tensor([0x7FFFFFFF, -1, 0x7FC00001], dtype=torch.int32)
+    assert torch.isnan(stochastic_round(payloads.view(torch.float32).repeat(1000), g)).all()
+
+
+def test_stochastic_round_of_a_mostly_exact_tensor_rounds_the_others_only():
+    """A tied embedding's gradient: the head's fp16 gradient plus the
+    embedding's, non-zero in a few rows.  The rows fp16 holds stay exactly;
+    the others round to their neighbours, unbiased."""
+    g = RandomBits(0)
+    x = torch.randn(4096, 64).half().float()
+    x[::64] += 1e-4 * torch.rand(64)
+    r = stochastic_round(x, g).float()
+    exact = x.half().float() == x
+    assert exact.float().mean() > 0.9 and not exact.all()
+    assert torch.equal(r[exact], x[exact])
+    inexact = x[~exact]
+    down = inexact.half().float()
+    lo = torch.where(down <= inexact, down, torch.nextafter(down.half(), torch.tensor(-1e9).half()).float())
+    step = torch.nextafter(lo.half(), torch.tensor(1e9).half()).float() - lo
+    got = r[~exact]
+    assert torch.all((got == lo) | (got == lo + step))
+    # the rounding error averages out over the rows'  values
+    assert abs((got.double() - inexact.double()).mean().item()) < 0.2 * step.double().mean().item()
 
 
 class _Scale(torch.nn.Module):
@@ -304,7 +330,7 @@ def test_stochastic_round_of_a_mostly_zero_tensor_rounds_its_non_zeros_only():
     """An embedding's gradient: 200,000 values, 1% of them 1.0001, the rest
     zeros of either sign; the zeros stay (with their sign), the others take
     the two neighbours of 1.0001 with its mean."""
-    g = torch.Generator().manual_seed(0)
+    g = RandomBits(0)
     x = torch.zeros(200_000)
     x[1::2] = -0.0
     x[::100] = 1.0001

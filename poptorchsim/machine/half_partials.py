@@ -128,7 +128,10 @@ def _mm(a, b):
 
 def _addmm(bias, a, b, *, beta=1, alpha=1):
     prod = half_partials_mm(a, b).float()
-    return (beta * bias.float() + alpha * prod).to(HALF)
+    if alpha != 1:
+        prod = prod.mul_(alpha)
+    bias = bias.float() if beta == 1 else beta * bias.float()
+    return prod.add_(bias).to(HALF)
 
 
 def _baddbmm(bias, a, b, *, beta=1, alpha=1):

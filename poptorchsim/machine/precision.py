@@ -8,11 +8,11 @@ kernel unchanged, so fp16 results equal PyTorch's CPU fp16 bit for bit.
   fp16 dtype argument widened) and the fp32 result is rounded to one of the
   two fp16 values around it, up with probability (x - lo) / (hi - lo).  The
   expected value of the rounding is x: updates below half an ulp move
-  weights in expectation.  The random bits come from one ``torch.Generator``
-  per compiled executable, seeded from ``Options.randomSeed`` (and the
-  process id of a distributed run): the same seed gives the same results;
-  replicas run one after the other and draw different bits, as the IPU's
-  per-tile generators do.
+  weights in expectation.  The random bits come from one source per
+  compiled executable (``rounding.RandomBits``), seeded from
+  ``Options.randomSeed`` (and the process id of a distributed run): the
+  same seed gives the same results; replicas run one after the other and
+  read different bits, as the IPU's per-tile generators do.
 * **Half partials** (``Precision.setPartialsType(torch.half)``): matmuls
   and convolutions with fp16 operands accumulate their reduction in fp16.
   Model: the reduction is cut into chunks of ``PARTIALS_CHUNK`` (16, an AMP

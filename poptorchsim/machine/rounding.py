@@ -1,6 +1,6 @@
 """Stochastic rounding of fp32 results to fp16, and the fp32 computation of
 an op whose fp16 results round stochastically (``docs/precision.md``)."""
-import math
+import random
 
 import torch
 from torch.utils import _pytree as pytree
@@ -9,18 +9,42 @@ HALF = torch.float16
 _MIN_EXP = -14          # smallest normal fp16 exponent; below it the spacing is fixed
 _DROPPED = 1 << 13      # fp32 carries 13 mantissa bits below fp16's (normal values)
 _SMALLEST_NORMAL = 2.0 ** _MIN_EXP
-_SPARSE_FROM = 1 << 16  # a larger tensor mostly of zeros rounds its non-zeros only
-_BLOCK = 1 << 18        # values rounded at a time (a multiple of 4: the random words
-                        # drawn are the same whatever the block; 2**18 measured fastest
-                        # against 2**16 .. 2**21, the per-op overhead against the cache)
-_LOW_BITS = 0x1FFF1FFF1FFF1FFF   # the low 13 bits of each 16-bit quarter of a word
+_NAN = 0x7FC00000       # fp32's quiet NaN: the largest |x| bits rounded (no carry into the sign)
+_EXACT_FROM = 1 << 16   # a larger tensor mostly of fp16 values rounds the others only
+_ROW = 64               # (by rows of its last dimension, or of this many values)
+_BLOCK = 1 << 18        # values rounded at a time: each block's temporaries stay in
+                        # cache (2**18 measured fastest against 2**16 .. 2**21)
+_POOL = 1 << 22         # random integers drawn once per seed, read in windows
 
 
-def stochastic_round(x, generator=None):
+class RandomBits:
+    """Uniform integers in [0, 2**13), one per value stochastic rounding
+    rounds: windows of ``_POOL`` integers drawn once from ``seed``, each
+    window starting at an offset drawn from ``seed`` (a block of values
+    reads one window).  Each integer is uniform, so each rounding is
+    unbiased; a window costs no arithmetic, where drawing the integers took
+    half of the rounding's time (the IPU's tiles draw theirs in hardware)."""
+
+    def __init__(self, seed):
+        self.seed = int(seed)
+        self.offsets = random.Random(self.seed)
+        self._pool = None
+
+    def take(self, n):
+        """``n`` (at most ``_POOL``) integers, int32."""
+        if self._pool is None:
+            g = torch.Generator().manual_seed(self.seed)
+            self._pool = torch.randint(0, _DROPPED, (_POOL,), dtype=torch.int32, generator=g)
+        start = self.offsets.randrange(_POOL - n + 1)
+        return self._pool[start:start + n]
+
+
+def stochastic_round(x, bits):
     """``x`` (fp32) rounded stochastically to fp16: to ``lo`` or ``hi`` (the
     fp16 neighbours of x) with P(hi) = (x - lo) / (hi - lo).  Exact fp16
     values, infinities and NaNs are kept; values past fp16's largest finite
-    (65504) may round to infinity, as a cast does.
+    (65504) may round to infinity, as a cast does.  ``bits``: a
+    ``RandomBits``.
 
     One random integer r in [0, 2**13) per value, added to the bits of |x|
     (an fp32 carries 13 mantissa bits below an fp16's), then those 13 bits
@@ -29,51 +53,49 @@ def stochastic_round(x, generator=None):
     2**-14, spaced 2**-24 apart) are first moved into [2**-14, 2**-13),
     whose fp16 spacing is the same 2**-24, by adding 2**-14, and moved back
     after.  Probabilities are resolved to 2**-13 (exactly for fp16's normal
-    range)."""
+    range).  A large tensor mostly of values fp16 holds exactly (an
+    embedding's gradient, mostly zeros; a sum with such a gradient) rounds
+    only its rows that hold other values."""
     x = x.float().contiguous()
-    if x.numel() >= _SPARSE_FROM and _mostly_zeros(x):   # an embedding's gradient
-            flat = x.view(-1)
-            where = flat.nonzero().squeeze(1)
-            out = flat.to(HALF)             # zeros (of either sign) exact
-            out[where] = stochastic_round(flat[where], generator)
-            return out.view(x.shape)
+    width = x.shape[-1] if x.dim() > 1 else _ROW
+    if x.numel() >= _EXACT_FROM and x.numel() % width == 0 and _mostly_exact(x):
+        rows = x.view(-1, width)        # rows fp16 holds exactly kept as they are
+        out = rows.to(HALF)
+        inexact = out.float().sub_(rows).abs_().amax(dim=1).nonzero().squeeze(1)  # NaNs too
+        out[inexact] = _dense(rows[inexact], bits)
+        return out.view(x.shape)
+    return _dense(x, bits)
+
+
+def _dense(x, bits):
+    """``stochastic_round`` of every value of ``x`` (fp32, contiguous)."""
     if x.numel() > _BLOCK:         # block by block: each block's temporaries stay in cache
         flat, out = x.view(-1), torch.empty(x.shape, dtype=HALF)
         for part, into in zip(flat.split(_BLOCK), out.view(-1).split(_BLOCK)):
-            into.copy_(_round_block(part, generator))
+            into.copy_(_round_block(part, bits))
         return out
-    return _round_block(x, generator)
+    return _round_block(x, bits)
 
 
-def _round_block(x, generator):
+def _round_block(x, bits):
     """``stochastic_round`` of a dense fp32 block, in place on its temporaries."""
-    r = _random_bits(x.shape, generator)
+    r = bits.take(x.numel()).view(x.shape)
     a = x.abs()
     # 2**-14 for subnormals, else 0 (a comparison written as floats: bool tensors are slow)
     shift = torch.lt(a, _SMALLEST_NORMAL, out=torch.empty_like(a)).mul_(_SMALLEST_NORMAL)
-    bits = a.add_(shift).view(torch.int32)
-    bits.add_(r).bitwise_and_(-_DROPPED)
-    out = torch.copysign(a.sub_(shift), x, out=a)
-    if x.numel() and torch.isnan(x.max()):      # a NaN's payload may carry into its sign
-        out = torch.where(torch.isnan(x), x, out)
-    return out.to(HALF)
+    # a NaN's bits lowered to the quiet NaN's, so that adding r cannot carry into the sign
+    a.add_(shift).view(torch.int32).clamp_(max=_NAN).add_(r).bitwise_and_(-_DROPPED)
+    return torch.copysign(a.sub_(shift), x, out=a).to(HALF)
 
 
-def _mostly_zeros(x, stride=61):
-    """Are at most a quarter of ``x``'s values non-zero?  Judged from every
-    ``stride``-th value (the answer only picks the faster of two exact ways
-    of rounding)."""
+def _mostly_exact(x, stride=61):
+    """Does fp16 hold at least three quarters of ``x``'s values exactly?
+    Judged from every ``stride``-th value (the answer only picks the faster
+    of two ways of rounding, which round alike: fp16 values kept, the
+    others to a neighbour)."""
     sample = x.view(-1)[::stride]
-    return int(torch.count_nonzero(sample)) <= sample.numel() // 4
-
-
-def _random_bits(shape, generator):
-    """Uniform integers in [0, 2**13) (int32), drawn four to a 64-bit word:
-    the CPU generator's cost is per draw."""
-    n = math.prod(shape)
-    words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(generator=generator)
-    # each quarter masked to [0, 2**13) in place, on the words (no int16 temporary)
-    return words.bitwise_and_(_LOW_BITS).view(torch.int16)[:n].to(torch.int32).view(shape)
+    exact = torch.eq(sample.to(HALF).float(), sample)
+    return int(torch.count_nonzero(exact)) * 4 >= sample.numel() * 3
 
 
 class Rounding:
@@ -83,18 +105,19 @@ class Rounding:
         if seed is None:                        # no randomSeed: torch's global RNG decides
             seed = int(torch.randint(0, 2 ** 62, (1,)).item())
         self.seed = (int(seed) * 1_000_003 + int(process_id)) % (2 ** 63)
-        self.generator = torch.Generator().manual_seed(self.seed)
+        self.bits = RandomBits(self.seed)
 
     def __getstate__(self):
-        return {"seed": self.seed, "state": self.generator.get_state()}
+        return {"seed": self.seed, "offsets": self.bits.offsets.getstate()}
 
     def __setstate__(self, state):
         self.seed = state["seed"]
-        self.generator = torch.Generator().manual_seed(self.seed)
-        self.generator.set_state(state["state"])
+        self.bits = RandomBits(self.seed)
+        if "offsets" in state:          # (a state saved before the pool: starts afresh)
+            self.bits.offsets.setstate(state["offsets"])
 
     def round(self, x):
-        return stochastic_round(x, self.generator)
+        return stochastic_round(x, self.bits)
 
 
 def _widen_all(x):
