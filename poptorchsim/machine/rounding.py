@@ -11,7 +11,7 @@ _DROPPED = 1 << 13      # fp32 carries 13 mantissa bits below fp16's (normal val
 _SMALLEST_NORMAL = 2.0 ** _MIN_EXP
 _NAN = 0x7FC00000       # fp32's quiet NaN: the largest |x| bits rounded (no carry into the sign)
 _EXACT_FROM = 1 << 16   # a larger tensor mostly of fp16 values rounds the others only
-_ROW = 64               # (by rows of its last dimension, or of this many values)
+_ROW = 64               # (by rows of this many values)
 _BLOCK = 1 << 18        # values rounded at a time: each block's temporaries stay in
                         # cache (2**18 measured fastest against 2**16 .. 2**21)
 _POOL = 1 << 22         # random integers drawn once per seed, read in windows
@@ -55,16 +55,19 @@ def stochastic_round(x, bits):
     after.  Probabilities are resolved to 2**-13 (exactly for fp16's normal
     range).  A large tensor mostly of values fp16 holds exactly (an
     embedding's gradient, mostly zeros; a sum with such a gradient) rounds
-    only its rows that hold other values."""
+    only its rows (64 values in memory order) holding other values."""
     x = x.float().contiguous()
-    width = x.shape[-1] if x.dim() > 1 else _ROW
-    if x.numel() >= _EXACT_FROM and x.numel() % width == 0 and _mostly_exact(x):
-        rows = x.view(-1, width)        # rows fp16 holds exactly kept as they are
-        out = rows.to(HALF)
-        inexact = out.float().sub_(rows).abs_().amax(dim=1).nonzero().squeeze(1)  # NaNs too
-        out[inexact] = _dense(rows[inexact], bits)
-        return out.view(x.shape)
-    return _dense(x, bits)
+    if x.numel() < _EXACT_FROM or not _mostly_exact(x):
+        return _dense(x, bits)
+    flat = x.view(-1)
+    out = flat.to(HALF)                 # rows of values fp16 holds kept as they are
+    body = flat.numel() - flat.numel() % _ROW
+    rows, kept = flat[:body].view(-1, _ROW), out[:body].view(-1, _ROW)
+    inexact = kept.float().sub_(rows).abs_().amax(dim=1).nonzero().squeeze(1)  # NaNs too
+    kept[inexact] = _dense(rows[inexact], bits)
+    if body < flat.numel():
+        out[body:] = _dense(flat[body:], bits)
+    return out.view(x.shape)
 
 
 def _dense(x, bits):
