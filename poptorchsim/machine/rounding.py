@@ -19,7 +19,7 @@ _POOL = 1 << 22         # random integers drawn once per seed, read in windows
 
 class RandomBits:
     """Uniform integers in [0, 2**13), one per value stochastic rounding
-    rounds: windows of ``_POOL`` integers drawn once from ``seed``, each
+    rounds: windows into ``_POOL`` integers drawn once from ``seed``, each
     window starting at an offset drawn from ``seed`` (a block of values
     reads one window).  Each integer is uniform, so each rounding is
     unbiased; a window costs no arithmetic, where drawing the integers took
