@@ -53,6 +53,30 @@ def _chunk_products(a32, b32):
         yield from block.unbind(-3)
 
 
+_CACHED = 1 << 18       # chunk products of a block of rows kept in cache, at most
+_MIN_ROWS = 256         # rows of a block, at least
+
+
+def _running_sum(a32, b32):
+    """``_accumulate_half`` of ``_chunk_products(a32, b32)``; a reduction of
+    a few chunks with many rows (a tied embedding's gradient, 30522 x 20 x
+    64) block by block of rows: a block's chunk products (at most
+    ``_CACHED`` values) are added while they are in cache, where all rows'
+    products went to memory and back (1.5x slower; with more chunks or
+    fewer rows, the calls a block makes cost more than the cache saves)."""
+    m, cols = a32.shape[-2], b32.shape[-1]
+    chunks = -(-a32.shape[-1] // PARTIALS_CHUNK)
+    lead = math.prod(torch.broadcast_shapes(a32.shape[:-2], b32.shape[:-2]))
+    rows = max(1, _CACHED // max(1, chunks * cols * lead))
+    if chunks > _FEW_CHUNKS or rows < _MIN_ROWS or rows * 2 > m:
+        return _accumulate_half(_chunk_products(a32, b32))
+    out = torch.empty(torch.broadcast_shapes(a32.shape[:-2], b32.shape[:-2]) + (m, cols),
+                      dtype=HALF)
+    for r in range(0, m, rows):
+        out[..., r:r + rows, :] = _accumulate_half(_chunk_products(a32[..., r:r + rows, :], b32))
+    return out
+
+
 SLICE_CHUNKS = 16      # chunks one tile accumulates in order (a slice of 256 products)
 
 
@@ -69,6 +93,7 @@ def _slice_partials(a32, b32):
     lead = math.prod(torch.broadcast_shapes(a32.shape[:-2], b32.shape[:-2]))
     fits = max(1, _PRODUCTS_LIMIT // max(1, m * cols * lead * SLICE_CHUNKS))
     per = 1 << (fits.bit_length() - 1)
+    body = full * width
     for start in range(0, full, per):
         g = min(per, full - start)
         lo, hi = start * width, (start + g) * width
@@ -76,10 +101,8 @@ def _slice_partials(a32, b32):
         b = b32[..., lo:hi, :].unflatten(-2, (g * SLICE_CHUNKS, PARTIALS_CHUNK))
         products = torch.matmul(a, b).unflatten(-3, (g, SLICE_CHUNKS))    # [..., g, c, M, N]
         yield _accumulate_half(products.unbind(-3))
-    if full * width < k:
-        tail = _accumulate_half(_chunk_products(a32[..., full * width:],
-                                                b32[..., full * width:, :]))
-        yield tail.unsqueeze(-3)
+    if body < k:
+        yield _running_sum(a32[..., body:], b32[..., body:, :]).unsqueeze(-3)
 
 
 def _tree_sum_half(partials):
@@ -118,7 +141,7 @@ def half_partials_mm(a, b):
     a32, b32 = a.float(), b.float()
     chunks = -(-a.shape[-1] // PARTIALS_CHUNK)
     if chunks <= SLICE_CHUNKS:
-        return _accumulate_half(_chunk_products(a32, b32))
+        return _running_sum(a32, b32)
     return _tree_sum_half(_slice_partials(a32, b32))
 
 

@@ -88,7 +88,9 @@ def _half_partials_by_the_book(a, b):
 
 
 @pytest.mark.parametrize("shapes", [((8, 200), (200, 24)), ((20, 3000), (3000, 16)),
-                                    ((2, 16, 700), (2, 700, 8)), ((5, 4096), (4096, 3))],
+                                    ((2, 16, 700), (2, 700, 8)), ((5, 4096), (4096, 3)),
+                                    # tall products beyond a cache's worth: rows in blocks
+                                    ((3000, 40), (40, 100)), ((3, 3000, 40), (3, 40, 30))],
                          ids=str)
 def test_half_partials_follow_the_documented_model(shapes):
     g = torch.Generator().manual_seed(1)
@@ -106,3 +108,18 @@ def test_half_partials_in_small_groups_give_the_same_tree(monkeypatch):
     monkeypatch.setattr(half_partials, "_PRODUCTS_LIMIT", 3000)     # 1 or 2 slices per group
     assert torch.equal(half_partials_mm(a, b), whole)
     assert torch.equal(whole, _half_partials_by_the_book(a, b))
+
+
+def test_half_partials_of_tall_products_in_blocks_of_rows(monkeypatch):
+    """A few chunks over many rows run block by block of rows (in cache):
+    the same values, whether the blocks hold one or two rows or all of them."""
+    from poptorchsim.machine import half_partials
+    g = torch.Generator().manual_seed(3)
+    for sa, sb in (((6, 6940), (6940, 10)), ((2, 7, 40), (2, 40, 5))):
+        a, b = torch.randn(sa, generator=g).half(), torch.randn(sb, generator=g).half()
+        whole = half_partials_mm(a, b)
+        with monkeypatch.context() as m:
+            m.setattr(half_partials, "_CACHED", 40)
+            m.setattr(half_partials, "_MIN_ROWS", 1)
+            assert torch.equal(half_partials_mm(a, b), whole)
+        assert torch.equal(whole, _half_partials_by_the_book(a, b))
