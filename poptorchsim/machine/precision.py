@@ -49,6 +49,12 @@ SLOW_IN_HALF = {aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar,
                 aten.bmm.default, aten.baddbmm.default}
 
 
+# reductions to the index of an fp16 value, 3x slower in fp16 than on the
+# same values widened to fp32 (which are the same values: the same index,
+# ties to the first alike)
+INDEX_OF_HALF = {aten.argmax.default, aten.argmin.default}
+
+
 # fp16 kernels whose result is the fp32 kernel's rounded to nearest fp16, bit
 # for bit, on PyTorch's CPU (they compute in fp32 and round once; checked
 # value by value in tests/unit/test_fp16_kernels_unit.py; sigmoid_backward,
@@ -86,7 +92,7 @@ def host_kernel(op, kernel, rounding=None, into=False):
     dtypes = [t.dtype if t is not None else None for t in op.outputs]
     if rounding is not None and rounds_stochastically(op):
         return with_stochastic_rounding(kernel, dtypes, rounding, into)
-    if op.target in SLOW_IN_HALF and HALF in dtypes:
+    if (op.target in SLOW_IN_HALF and HALF in dtypes) or op.target in INDEX_OF_HALF:
         return in_fp32(kernel, dtypes)
     return kernel
 

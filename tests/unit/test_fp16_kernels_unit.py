@@ -123,3 +123,17 @@ def test_half_partials_of_tall_products_in_blocks_of_rows(monkeypatch):
             m.setattr(half_partials, "_MIN_ROWS", 1)
             assert torch.equal(half_partials_mm(a, b), whole)
         assert torch.equal(whole, _half_partials_by_the_book(a, b))
+
+
+@pytest.mark.parametrize("target", [torch.ops.aten.argmax.default, torch.ops.aten.argmin.default],
+                         ids=str)
+def test_index_of_an_fp16_value_computed_in_fp32_is_the_same(target):
+    """argmax/argmin run on the widened values: the same index as fp16's
+    kernel, ties (many in fp16) to the first, NaN as the extreme."""
+    from poptorchsim.machine.precision import INDEX_OF_HALF, in_fp32
+    assert target in INDEX_OF_HALF
+    x = (torch.randn(6, 300) * 4).round().half()        # many ties
+    x[5, 7] = float("nan")
+    run = in_fp32(target, [torch.int64])
+    for args in ((x,), (x, -1), (x, 0, True)):
+        assert torch.equal(run(*args), target(*args))
