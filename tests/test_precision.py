@@ -103,20 +103,21 @@ def test_stochastic_round_of_a_mostly_exact_tensor_rounds_the_others_only():
     """A tied embedding's gradient: the head's fp16 gradient plus the
     embedding's, non-zero in a few rows.  The rows fp16 holds stay exactly;
     the others round to their neighbours, unbiased."""
-    g = RandomBits(0)
-    x = torch.randn(4096, 64).half().float()
-    x[::64] += 1e-4 * torch.rand(64)
+    g, values = RandomBits(0), torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 64, generator=values).half().float()
+    x[::64] += 1e-4 * torch.rand(64, generator=values)
     r = stochastic_round(x, g).float()
     exact = x.half().float() == x
     assert exact.float().mean() > 0.9 and not exact.all()
     assert torch.equal(r[exact], x[exact])
     inexact = x[~exact]
     down = inexact.half().float()
-    lo = torch.where(down <= inexact, down, torch.nextafter(down.half(), torch.tensor(-1e9).half()).float())
+    below = torch.nextafter(down.half(), torch.tensor(-1e9).half()).float()
+    lo = torch.where(down <= inexact, down, below)
     step = torch.nextafter(lo.half(), torch.tensor(1e9).half()).float() - lo
     got = r[~exact]
     assert torch.all((got == lo) | (got == lo + step))
-    # the rounding error averages out over the rows'  values
+    # the rounding errors of the 4,096 values average out
     assert abs((got.double() - inexact.double()).mean().item()) < 0.2 * step.double().mean().item()
 
 
