@@ -66,12 +66,11 @@ def _running_sum(a32, b32):
     fewer rows, the calls a block makes cost more than the cache saves)."""
     m, cols = a32.shape[-2], b32.shape[-1]
     chunks = -(-a32.shape[-1] // PARTIALS_CHUNK)
-    lead = math.prod(torch.broadcast_shapes(a32.shape[:-2], b32.shape[:-2]))
-    rows = max(1, _CACHED // max(1, chunks * cols * lead))
+    lead = torch.broadcast_shapes(a32.shape[:-2], b32.shape[:-2])
+    rows = max(1, _CACHED // max(1, chunks * cols * math.prod(lead)))
     if chunks > _FEW_CHUNKS or rows < _MIN_ROWS or rows * 2 > m:
         return _accumulate_half(_chunk_products(a32, b32))
-    out = torch.empty(torch.broadcast_shapes(a32.shape[:-2], b32.shape[:-2]) + (m, cols),
-                      dtype=HALF)
+    out = torch.empty(lead + (m, cols), dtype=HALF)
     for r in range(0, m, rows):
         out[..., r:r + rows, :] = _accumulate_half(_chunk_products(a32[..., r:r + rows, :], b32))
     return out
