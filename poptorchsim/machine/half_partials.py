@@ -1,12 +1,11 @@
 """fp16 partial sums of matmuls and convolutions (``Precision.setPartialsType(torch.half)``):
 the model of ``docs/precision.md``, computed with batched fp32 kernels."""
-import math
-
 import torch
 
 aten = torch.ops.aten
 HALF = torch.float16
 PARTIALS_CHUNK = 16
+
 
 def _accumulate_half(pieces):
     """Sum of fp32 ``pieces`` (an iterator of chunk sums) with the running
@@ -19,89 +18,78 @@ def _accumulate_half(pieces):
     return acc
 
 
-def _chunks(k):
-    return [slice(i, min(i + PARTIALS_CHUNK, k)) for i in range(0, k, PARTIALS_CHUNK)]
+SLICE_CHUNKS = 16       # chunks one tile accumulates in order (a slice of 256 products)
+_SUMS_LIMIT = 1 << 21   # running fp16 sums of one group of slices, at most
+_BLOCK = 1 << 19        # running sums of one block of rows, at most (with their scratch: 5 MB)
 
 
-_PRODUCTS_LIMIT = 1 << 24       # fp32 chunk products computed by one matmul call, at most
-_FEW_CHUNKS = 4
+def _chunk_operands(a32, b32, slices):
+    """``a32`` [B, M, K] and ``b32`` [B, K, N] (K = slices x chunks x 16)
+    chunk by chunk: [chunks, B x slices, M, 16] and [chunks, B x slices,
+    16, N], contiguous for a matrix product (whose kernel sums a chunk's
+    products in order whatever their layout, and runs faster on contiguous
+    operands), as laid out for a matrix-vector one."""
+    batch, m, k = a32.shape
+    n = b32.shape[-1]
+    chunks = k // (slices * PARTIALS_CHUNK)
+    a = a32.reshape(batch, m, slices, chunks, PARTIALS_CHUNK).permute(3, 0, 2, 1, 4)
+    b = b32.reshape(batch, slices, chunks, PARTIALS_CHUNK, n).permute(2, 0, 1, 3, 4)
+    a = a.reshape(chunks, batch * slices, m, PARTIALS_CHUNK)
+    b = b.reshape(chunks, batch * slices, PARTIALS_CHUNK, n)
+    if m == 1 or n == 1:    # a matrix-vector product sums in an order its operands' layout sets
+        return a, b
+    return a.contiguous(), b.contiguous()
 
 
-def _chunk_products(a32, b32):
-    """The products of ``a32 @ b32`` chunk by chunk of the reduction, in
-    order.  Beyond ``_FEW_CHUNKS`` chunks, one batched matmul computes many
-    at once (the reduction cut into [..., chunks, M, 16] @ [..., chunks, 16,
-    N]; a last short chunk padded with zeros, which add nothing), as many as
-    keep its result under ``_PRODUCTS_LIMIT`` values."""
-    k = a32.shape[-1]
-    n = -(-k // PARTIALS_CHUNK)
-    if n <= _FEW_CHUNKS:            # one call per chunk costs less than the reshaping
-        for s in _chunks(k):
-            yield torch.matmul(a32[..., s], b32[..., s, :])
-        return
-    pad = n * PARTIALS_CHUNK - k
-    if pad:
-        a32 = torch.nn.functional.pad(a32, (0, pad))
-        b32 = torch.nn.functional.pad(b32, (0, 0, 0, pad))
-    m, cols = a32.shape[-2], b32.shape[-1]
-    lead = torch.broadcast_shapes(a32.shape[:-2], b32.shape[:-2])
-    per = max(1, _PRODUCTS_LIMIT // max(1, m * cols * math.prod(lead)))
-    a4 = a32.unflatten(-1, (n, PARTIALS_CHUNK)).movedim(-2, -3)       # [..., n, M, 16]
-    b4 = b32.unflatten(-2, (n, PARTIALS_CHUNK))                        # [..., n, 16, N]
-    for start in range(0, n, per):
-        block = torch.matmul(a4[..., start:start + per, :, :], b4[..., start:start + per, :, :])
-        yield from block.unbind(-3)
-
-
-_CACHED = 1 << 18       # chunk products of a block of rows kept in cache, at most
-_MIN_ROWS = 256         # rows of a block, at least
-
-
-def _running_sum(a32, b32):
-    """``_accumulate_half`` of ``_chunk_products(a32, b32)``; a reduction of
-    a few chunks with many rows (a tied embedding's gradient, 30522 x 20 x
-    64) block by block of rows: a block's chunk products (at most
-    ``_CACHED`` values) are added while they are in cache, where all rows'
-    products went to memory and back (1.5x slower; with more chunks or
-    fewer rows, the calls a block makes cost more than the cache saves)."""
-    m, cols = a32.shape[-2], b32.shape[-1]
-    chunks = -(-a32.shape[-1] // PARTIALS_CHUNK)
-    lead = torch.broadcast_shapes(a32.shape[:-2], b32.shape[:-2])
-    rows = max(1, _CACHED // max(1, chunks * cols * math.prod(lead)))
-    if chunks > _FEW_CHUNKS or rows < _MIN_ROWS or rows * 2 > m:
-        return _accumulate_half(_chunk_products(a32, b32))
-    out = torch.empty(lead + (m, cols), dtype=HALF)
+def _running_sums(a32, b32, slices):
+    """The running fp16 sums of ``slices`` slices of the reduction of
+    ``a32 @ b32`` ([B, M, K] @ [B, K, N], K = slices x chunks x 16, padded
+    with zeros, which add nothing), as [B, slices, M, N]: all slices at
+    once, block by block of rows, chunk by chunk.  A chunk's products are
+    summed in fp32 by one batched matmul into a scratch block; the fp16
+    sums, widened exactly, are added to it and the result rounded to fp16.
+    A block (``_BLOCK`` values) stays in cache through all its chunks, where
+    writing every chunk's products for all rows to memory first made the
+    reduction memory-bound (2-3x slower)."""
+    a, b = _chunk_operands(a32, b32, slices)
+    chunks, sums, m, _ = a.shape
+    n = b.shape[-1]
+    acc = torch.empty(sums, m, n, dtype=HALF)
+    rows = min(m, max(16, _BLOCK // (sums * n)))
+    rows = -(-m // -(-m // rows))               # blocks of equal rows
+    total, scratch = torch.empty(sums, rows, n), torch.empty(sums, rows, n)
     for r in range(0, m, rows):
-        out[..., r:r + rows, :] = _accumulate_half(_chunk_products(a32[..., r:r + rows, :], b32))
-    return out
-
-
-SLICE_CHUNKS = 16      # chunks one tile accumulates in order (a slice of 256 products)
+        size = min(rows, m - r)
+        block, fresh, part = total[:, :size], scratch[:, :size], acc[:, r:r + size]
+        part.copy_(torch.bmm(a[0][:, r:r + size], b[0], out=block))
+        for j in range(1, chunks):
+            torch.bmm(a[j][:, r:r + size], b[j], out=fresh)    # the chunk's fp32 sum
+            part.copy_(block.copy_(part).add_(fresh))           # + the fp16 sum, rounded
+    return acc.view(a32.shape[0], slices, m, n)
 
 
 def _slice_partials(a32, b32):
     """The fp16 partial sums of the slices of the reduction (``SLICE_CHUNKS``
     chunks each; a last, shorter slice as many as it has), in order along
-    the reduction, as [..., g, M, N] groups: each slice's running fp16 sum,
-    the chunk products of a group's slices computed by one batched matmul
-    (groups of a power of two of slices, as many as keep the products
-    under ``_PRODUCTS_LIMIT`` values)."""
+    the reduction, as [B, g, M, N] groups of slices (a power of two of
+    them, as many as keep their sums under ``_SUMS_LIMIT`` values)."""
     width = SLICE_CHUNKS * PARTIALS_CHUNK
-    k, m, cols = a32.shape[-1], a32.shape[-2], b32.shape[-1]
+    batch, m, k = a32.shape
+    n = b32.shape[-1]
     full = k // width
-    lead = math.prod(torch.broadcast_shapes(a32.shape[:-2], b32.shape[:-2]))
-    fits = max(1, _PRODUCTS_LIMIT // max(1, m * cols * lead * SLICE_CHUNKS))
+    fits = max(1, _SUMS_LIMIT // max(1, m * n * batch))
     per = 1 << (fits.bit_length() - 1)
-    body = full * width
     for start in range(0, full, per):
         g = min(per, full - start)
         lo, hi = start * width, (start + g) * width
-        a = a32[..., lo:hi].unflatten(-1, (g * SLICE_CHUNKS, PARTIALS_CHUNK)).movedim(-2, -3)
-        b = b32[..., lo:hi, :].unflatten(-2, (g * SLICE_CHUNKS, PARTIALS_CHUNK))
-        products = torch.matmul(a, b).unflatten(-3, (g, SLICE_CHUNKS))    # [..., g, c, M, N]
-        yield _accumulate_half(products.unbind(-3))
-    if body < k:
-        yield _running_sum(a32[..., body:], b32[..., body:, :]).unsqueeze(-3)
+        yield _running_sums(a32[..., lo:hi], b32[..., lo:hi, :], g)
+    if full * width < k:            # the last slice, padded to whole chunks
+        tail_a, tail_b = a32[..., full * width:], b32[..., full * width:, :]
+        pad = -tail_a.shape[-1] % PARTIALS_CHUNK
+        if pad:
+            tail_a = torch.nn.functional.pad(tail_a, (0, pad))
+            tail_b = torch.nn.functional.pad(tail_b, (0, 0, 0, pad))
+        yield _running_sums(tail_a, tail_b, 1)
 
 
 def _tree_sum_half(partials):
@@ -137,11 +125,11 @@ def half_partials_mm(a, b):
     into slices of that many chunks (one tile's share of a reduction spread
     over tiles), each slice's running sum in fp16, the slices' sums added
     pairwise in fp16 (the cross-tile reduction)."""
-    a32, b32 = a.float(), b.float()
-    chunks = -(-a.shape[-1] // PARTIALS_CHUNK)
-    if chunks <= SLICE_CHUNKS:
-        return _running_sum(a32, b32)
-    return _tree_sum_half(_slice_partials(a32, b32))
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a32 = a.float().expand(lead + a.shape[-2:]).reshape((-1,) + a.shape[-2:])
+    b32 = b.float().expand(lead + b.shape[-2:]).reshape((-1,) + b.shape[-2:])
+    out = _tree_sum_half(_slice_partials(a32, b32))
+    return out.view(lead + out.shape[-2:])
 
 
 def _mm(a, b):

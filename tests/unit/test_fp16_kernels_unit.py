@@ -99,30 +99,43 @@ def test_half_partials_follow_the_documented_model(shapes):
 
 
 def test_half_partials_in_small_groups_give_the_same_tree(monkeypatch):
-    """Slices computed a few at a time (a large matmul's products kept
+    """Slices computed a few at a time (a large matmul's running sums kept
     under the limit) are added in the same tree as all at once."""
     from poptorchsim.machine import half_partials
     g = torch.Generator().manual_seed(2)
     a, b = torch.randn(6, 7000, generator=g).half(), torch.randn(7000, 10, generator=g).half()
     whole = half_partials_mm(a, b)
-    monkeypatch.setattr(half_partials, "_PRODUCTS_LIMIT", 3000)     # 1 or 2 slices per group
-    assert torch.equal(half_partials_mm(a, b), whole)
+    for limit in (60, 150):                     # 1 or 2 slices per group
+        monkeypatch.setattr(half_partials, "_SUMS_LIMIT", limit)
+        assert torch.equal(half_partials_mm(a, b), whole)
     assert torch.equal(whole, _half_partials_by_the_book(a, b))
 
 
-def test_half_partials_of_tall_products_in_blocks_of_rows(monkeypatch):
-    """A few chunks over many rows run block by block of rows (in cache):
-    the same values, whether the blocks hold one or two rows or all of them."""
+def test_half_partials_of_one_row_follow_its_operands_layout():
+    """A product of one row (a class token through a ``Linear``: its weight
+    transposed) is a matrix-vector product, whose kernel sums a chunk in an
+    order its operands' layout sets: the chunks keep that layout, as the
+    model's step-by-step products do."""
+    g = torch.Generator().manual_seed(4)
+    for _ in range(6):
+        x, w = torch.randn(1, 768, generator=g).half(), torch.randn(768, 768, generator=g).half()
+        for a, b in ((x, w.t()), (x, w), (w, x.t()), (w.t(), x.t())):
+            assert torch.equal(half_partials_mm(a, b), _half_partials_by_the_book(a, b))
+
+
+@pytest.mark.parametrize("shapes", [((40, 300), (300, 9)), ((3, 40, 70), (3, 70, 5)),
+                                    ((1, 300), (300, 9)), ((37, 600), (600, 1))], ids=str)
+def test_half_partials_block_by_block_of_rows(monkeypatch, shapes):
+    """Running sums computed block by block of rows (in cache) give the
+    same values whatever the blocks (here of 16 rows, the last shorter), and
+    the model's."""
     from poptorchsim.machine import half_partials
     g = torch.Generator().manual_seed(3)
-    for sa, sb in (((6, 6940), (6940, 10)), ((2, 7, 40), (2, 40, 5))):
-        a, b = torch.randn(sa, generator=g).half(), torch.randn(sb, generator=g).half()
-        whole = half_partials_mm(a, b)
-        with monkeypatch.context() as m:
-            m.setattr(half_partials, "_CACHED", 40)
-            m.setattr(half_partials, "_MIN_ROWS", 1)
-            assert torch.equal(half_partials_mm(a, b), whole)
-        assert torch.equal(whole, _half_partials_by_the_book(a, b))
+    a, b = (torch.randn(s, generator=g).half() for s in shapes)
+    whole = half_partials_mm(a, b)
+    monkeypatch.setattr(half_partials, "_BLOCK", 1)
+    assert torch.equal(half_partials_mm(a, b), whole)
+    assert torch.equal(whole, _half_partials_by_the_book(a, b))
 
 
 @pytest.mark.parametrize("target", [torch.ops.aten.argmax.default, torch.ops.aten.argmin.default],
