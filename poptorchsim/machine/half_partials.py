@@ -41,30 +41,42 @@ def _chunk_operands(a32, b32, slices):
     return a.contiguous(), b.contiguous()
 
 
+def _spans(length, other):
+    """Equal spans of ``length`` holding about ``_BLOCK // other`` each (16 at least)."""
+    size = min(length, max(16, _BLOCK // other))
+    size = -(-length // -(-length // size))
+    return [slice(i, min(i + size, length)) for i in range(0, length, size)]
+
+
 def _running_sums(a32, b32, slices):
     """The running fp16 sums of ``slices`` slices of the reduction of
     ``a32 @ b32`` ([B, M, K] @ [B, K, N], K = slices x chunks x 16, padded
     with zeros, which add nothing), as [B, slices, M, N]: all slices at
-    once, block by block of rows, chunk by chunk.  A chunk's products are
-    summed in fp32 by one batched matmul into a scratch block; the fp16
+    once, block by block of the result, chunk by chunk.  A chunk's products
+    are summed in fp32 by one batched matmul into a scratch block; the fp16
     sums, widened exactly, are added to it and the result rounded to fp16.
     A block (``_BLOCK`` values) stays in cache through all its chunks, where
-    writing every chunk's products for all rows to memory first made the
-    reduction memory-bound (2-3x slower)."""
+    writing every chunk's products for the whole result to memory first
+    made the reduction memory-bound (2-3x slower).  The blocks cut the
+    longer side of the result, so that the larger operand is read once."""
     a, b = _chunk_operands(a32, b32, slices)
     chunks, sums, m, _ = a.shape
     n = b.shape[-1]
     acc = torch.empty(sums, m, n, dtype=HALF)
-    rows = min(m, max(16, _BLOCK // (sums * n)))
-    rows = -(-m // -(-m // rows))               # blocks of equal rows
-    total, scratch = torch.empty(sums, rows, n), torch.empty(sums, rows, n)
-    for r in range(0, m, rows):
-        size = min(rows, m - r)
-        block, fresh, part = total[:, :size], scratch[:, :size], acc[:, r:r + size]
-        part.copy_(torch.bmm(a[0][:, r:r + size], b[0], out=block))
+    if m >= n:
+        blocks = [(rows, slice(None)) for rows in _spans(m, sums * n)]
+    else:
+        blocks = [(slice(None), cols) for cols in _spans(n, sums * m)]
+    first = acc[:, blocks[0][0], blocks[0][1]]
+    total, scratch = torch.empty(first.numel()), torch.empty(first.numel())
+    for rows, cols in blocks:
+        part = acc[:, rows, cols]
+        block = total[:part.numel()].view(part.shape)
+        fresh = scratch[:part.numel()].view(part.shape)
+        part.copy_(torch.bmm(a[0][:, rows], b[0][..., cols], out=block))
         for j in range(1, chunks):
-            torch.bmm(a[j][:, r:r + size], b[j], out=fresh)    # the chunk's fp32 sum
-            part.copy_(block.copy_(part).add_(fresh))           # + the fp16 sum, rounded
+            torch.bmm(a[j][:, rows], b[j][..., cols], out=fresh)   # the chunk's fp32 sum
+            part.copy_(block.copy_(part).add_(fresh))               # + the fp16 sum, rounded
     return acc.view(a32.shape[0], slices, m, n)
 
 
