@@ -21,6 +21,7 @@ def _accumulate_half(pieces):
 SLICE_CHUNKS = 16       # chunks one tile accumulates in order (a slice of 256 products)
 _SUMS_LIMIT = 1 << 21   # running fp16 sums of one group of slices, at most
 _BLOCK = 1 << 19        # running sums of one block of rows, at most (with their scratch: 5 MB)
+_FEW_CHUNKS = 4
 
 
 def _chunk_operands(a32, b32, slices):
@@ -48,6 +49,28 @@ def _spans(length, other):
     return [slice(i, min(i + size, length)) for i in range(0, length, size)]
 
 
+def _few_chunks(a32, b32):
+    """The running fp16 sum of a reduction of at most ``_FEW_CHUNKS``
+    chunks ([B, M, K] @ [B, K, N], the last chunk as long as it is): each
+    chunk's products for the whole result (or, for a tall one, block by
+    block of rows) added as they come, on the operands as they are laid
+    out (a tied embedding's gradient, 30522 x 20 x 64, or its logits: no
+    copy of a large operand, and fewer calls)."""
+    k, m, n = a32.shape[-1], a32.shape[-2], b32.shape[-1]
+
+    def run(a):
+        return _accumulate_half(
+            torch.bmm(a[..., i:i + PARTIALS_CHUNK], b32[..., i:i + PARTIALS_CHUNK, :])
+            for i in range(0, k, PARTIALS_CHUNK))
+    chunks = -(-k // PARTIALS_CHUNK)
+    if m <= n or chunks * m * n * a32.shape[0] <= _BLOCK:
+        return run(a32)
+    out = torch.empty(a32.shape[0], m, n, dtype=HALF)
+    for rows in _spans(m, chunks * n * a32.shape[0]):
+        out[:, rows] = run(a32[:, rows])
+    return out
+
+
 def _running_sums(a32, b32, slices):
     """The running fp16 sums of ``slices`` slices of the reduction of
     ``a32 @ b32`` ([B, M, K] @ [B, K, N], K = slices x chunks x 16, padded
@@ -58,10 +81,17 @@ def _running_sums(a32, b32, slices):
     A block (``_BLOCK`` values) stays in cache through all its chunks, where
     writing every chunk's products for the whole result to memory first
     made the reduction memory-bound (2-3x slower).  The blocks cut the
-    longer side of the result, so that the larger operand is read once."""
+    longer side of the result, so that the larger operand is read once.  A
+    small product (all its chunks' products within a block) computes them
+    by one batched matmul and adds them: half the calls, which cost more
+    than its values (a matrix-vector product keeps to blocks, which keep
+    its operands' layout)."""
     a, b = _chunk_operands(a32, b32, slices)
     chunks, sums, m, _ = a.shape
     n = b.shape[-1]
+    if m > 1 and n > 1 and chunks * sums * m * n <= _BLOCK:   # all fit in cache: one matmul
+        products = torch.bmm(a.flatten(0, 1), b.flatten(0, 1)).unflatten(0, (chunks, sums))
+        return _accumulate_half(products.unbind(0)).view(a32.shape[0], slices, m, n)
     acc = torch.empty(sums, m, n, dtype=HALF)
     if m >= n:
         blocks = [(rows, slice(None)) for rows in _spans(m, sums * n)]
@@ -95,7 +125,9 @@ def _slice_partials(a32, b32):
         g = min(per, full - start)
         lo, hi = start * width, (start + g) * width
         yield _running_sums(a32[..., lo:hi], b32[..., lo:hi, :], g)
-    if full * width < k:            # the last slice, padded to whole chunks
+    if k - full * width <= _FEW_CHUNKS * PARTIALS_CHUNK and full * width < k:
+        yield _few_chunks(a32[..., full * width:], b32[..., full * width:, :]).unsqueeze(1)
+    elif full * width < k:          # the last slice, padded to whole chunks
         tail_a, tail_b = a32[..., full * width:], b32[..., full * width:, :]
         pad = -tail_a.shape[-1] % PARTIALS_CHUNK
         if pad:
