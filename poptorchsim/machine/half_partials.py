@@ -20,8 +20,8 @@ def _accumulate_half(pieces):
 
 SLICE_CHUNKS = 16       # chunks one tile accumulates in order (a slice of 256 products)
 _SUMS_LIMIT = 1 << 21   # running fp16 sums of one group of slices, at most
-_BLOCK = 1 << 19        # running sums of one block of rows, at most (with their scratch: 5 MB)
-_FEW_CHUNKS = 4
+_BLOCK = 1 << 19        # running sums of one block of the result, at most (with scratch: 5 MB)
+_FEW_CHUNKS = 4         # a reduction this short runs on its operands as laid out
 
 
 def _chunk_operands(a32, b32, slices):
@@ -125,15 +125,18 @@ def _slice_partials(a32, b32):
         g = min(per, full - start)
         lo, hi = start * width, (start + g) * width
         yield _running_sums(a32[..., lo:hi], b32[..., lo:hi, :], g)
-    if k - full * width <= _FEW_CHUNKS * PARTIALS_CHUNK and full * width < k:
-        yield _few_chunks(a32[..., full * width:], b32[..., full * width:, :]).unsqueeze(1)
-    elif full * width < k:          # the last slice, padded to whole chunks
-        tail_a, tail_b = a32[..., full * width:], b32[..., full * width:, :]
-        pad = -tail_a.shape[-1] % PARTIALS_CHUNK
-        if pad:
-            tail_a = torch.nn.functional.pad(tail_a, (0, pad))
-            tail_b = torch.nn.functional.pad(tail_b, (0, 0, 0, pad))
-        yield _running_sums(tail_a, tail_b, 1)
+    rest = k - full * width
+    if not rest:
+        return
+    tail_a, tail_b = a32[..., full * width:], b32[..., full * width:, :]
+    if rest <= _FEW_CHUNKS * PARTIALS_CHUNK:
+        yield _few_chunks(tail_a, tail_b).unsqueeze(1)
+        return
+    pad = -rest % PARTIALS_CHUNK                # the last slice, padded to whole chunks
+    if pad:
+        tail_a = torch.nn.functional.pad(tail_a, (0, pad))
+        tail_b = torch.nn.functional.pad(tail_b, (0, 0, 0, pad))
+    yield _running_sums(tail_a, tail_b, 1)
 
 
 def _tree_sum_half(partials):
