@@ -178,9 +178,11 @@ def _close(objects):
             terminate()
 
 
-def _missing_classes():
+def _missing_classes(keys=None):
     out = []
     for key, members in SURFACE["classes"].items():
+        if keys is not None and key not in keys:
+            continue
         objects = INSTANCES[key]()
         try:
             out += [f"{key}.{n}" for n in members if not any(_has(o, n) for o in objects)]
@@ -221,7 +223,7 @@ def test_absent_lists_only_missing_names(missing):
 def test_a_name_gone_missing_is_caught(monkeypatch):
     """The check can fail: remove a setter and it is reported."""
     monkeypatch.delattr(poptorchsim._api.option_extras._CompilerOptions, "enableStableNorm")
-    assert "Options.enableStableNorm" in _missing_classes()
+    assert "Options.enableStableNorm" in _missing_classes(["Options"])
     monkeypatch.delattr(poptorchsim, "setLogLevel")
     assert not hasattr(_module("poptorch"), "setLogLevel")
 
