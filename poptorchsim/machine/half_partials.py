@@ -173,6 +173,8 @@ def half_partials_mm(a, b):
     over tiles), each slice's running sum in fp16, the slices' sums added
     pairwise in fp16 (the cross-tile reduction)."""
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    if a.shape[-1] == 0:                        # an empty reduction sums to zero
+        return torch.zeros(lead + (a.shape[-2], b.shape[-1]), dtype=HALF)
     a32 = a.float().expand(lead + a.shape[-2:]).reshape((-1,) + a.shape[-2:])
     b32 = b.float().expand(lead + b.shape[-2:]).reshape((-1,) + b.shape[-2:])
     out = _tree_sum_half(_slice_partials(a32, b32))

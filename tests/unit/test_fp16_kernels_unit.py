@@ -111,6 +111,14 @@ def test_half_partials_in_small_groups_give_the_same_tree(monkeypatch):
     assert torch.equal(whole, _half_partials_by_the_book(a, b))
 
 
+def test_half_partials_of_an_empty_reduction_are_zeros():
+    """A reduction over nothing gives fp16 zeros, as PyTorch's matmul does."""
+    for a, b in (((3, 0), (0, 5)), ((2, 3, 0), (2, 0, 4))):
+        out = half_partials_mm(torch.ones(a).half(), torch.ones(b).half())
+        assert torch.equal(out, torch.ones(a).half() @ torch.ones(b).half())
+        assert out.dtype == torch.float16
+
+
 def test_half_partials_of_one_row_follow_its_operands_layout():
     """A product of one row (a class token through a ``Linear``: its weight
     transposed) is a matrix-vector product, whose kernel sums a chunk in an
