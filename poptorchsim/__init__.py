@@ -223,7 +223,7 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
     (``Options.useIpuModelVersion``, else the environment's) and the
     settings the split is compiled with (memory proportion, optimizer state
     location, precision)."""
-    from .machine.targets import default_target
+    from .estimate.targets import default_target
     from .runtime.autosplit import suggest_split as _suggest
     version = options._values.get("ipu_model_version") if options is not None else None
     return _suggest(model, num_ipus, *example_inputs, optimizer=optimizer,

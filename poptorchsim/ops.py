@@ -55,7 +55,7 @@ def ipuHardwareVersion():
     it is the target that ``Options()`` compiles for by default
     (POPTORCHSIM_IPU_MODEL_VERSION, else Mk2).  The 4-tile test IPU is a
     small Mk2."""
-    from .machine.targets import default_target
+    from .estimate.targets import default_target
     return _IPU_VERSIONS[default_target(None).name]
 
 

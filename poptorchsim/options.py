@@ -178,7 +178,7 @@ class Options(_CompilerOptions, _OptionsDict):
     def useIpuModelVersion(self, version):
         """The simulated IPU: "ipu1"/"mk1", "ipu2"/"mk2", "ipu21"/"bow" or "test"
         (4 tiles).  Overrides POPTORCHSIM_IPU_MODEL_VERSION."""
-        from .machine.targets import target_named
+        from .estimate.targets import target_named
         target_named(version)
         return self.createOrSet(ipu_model_version=str(version))
 
@@ -196,7 +196,7 @@ class Options(_CompilerOptions, _OptionsDict):
         and the last stage's outputs stream while the other IPUs compute (a
         replica on several IPUs).  ``ReplicaAndLadder``: replicas do their
         host IO without syncing each other, so one replica's IO overlaps the
-        others' compute (with replication).  See ``machine/program_cost.py``
+        others' compute (with replication).  See ``estimate/program_cost.py``
         ``_host_seconds``; with one IPU and one replica they all cost the
         same, as on the device."""
         assert isinstance(sync_pattern, enums.SyncPattern), (

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import poptorchsim
-from poptorchsim.machine import constants as K
-from poptorchsim.machine.cost import _exchange_cycles, _kernel_positions, op_cost
-from poptorchsim.machine.targets import MK2
+from poptorchsim.estimate import constants as K
+from poptorchsim.estimate.cost import _exchange_cycles, _kernel_positions, op_cost
+from poptorchsim.estimate.targets import MK2
 
 from conftest import quiet_options
 

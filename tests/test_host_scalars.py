@@ -113,7 +113,7 @@ def test_the_host_scalars_leave_the_update_cheaper_and_the_step_unchanged():
     update's cycles; the training step's costs do not move."""
     _, _, tm = _train(OPTIMIZERS["Adam"], calls=1)
     compiled, graph, costs = _update(tm)
-    from poptorchsim.machine.cost import op_cost
+    from poptorchsim.estimate.cost import op_cost
     marked = [op for op in graph.ops if op.host_scalar]
     try:
         for op in marked:

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import poptorchsim as poptorch
 from conftest import LogRecords
-from poptorchsim.machine.targets import BOW, MK1, MK2, TEST_IPU, default_target
+from poptorchsim.estimate.targets import BOW, MK1, MK2, TEST_IPU, default_target
 
 
 def quiet():

@@ -19,7 +19,7 @@ import poptorchsim as poptorch
 from poptorchsim.ir import graph as ir
 from poptorchsim.ir import printer
 from poptorchsim.machine import engine as engine_module
-from poptorchsim.machine import program_cost
+from poptorchsim.estimate import program_cost
 from conftest import quiet_options
 
 WIDTH = 16

@@ -7,8 +7,8 @@ import torch
 
 import poptorchsim as poptorch
 from conftest import ClassifierWithLoss, classification_batch, quiet_options
-from poptorchsim.machine.cost import VERTEX_OVERHEAD, _vertex_cycles
-from poptorchsim.machine.targets import MK1, MK2
+from poptorchsim.estimate.cost import VERTEX_OVERHEAD, _vertex_cycles
+from poptorchsim.estimate.targets import MK1, MK2
 from poptorchsim.profiling import op_table, write_report
 
 HALF = torch.float16

@@ -1,6 +1,6 @@
 """Sensitivity of the estimate to the cost model's constants (issue 13 part 4):
 ``executor.estimateSensitivity()`` varies each constant of
-``machine.constants`` by ±20 % on an already compiled model (costs only, no
+``estimate.constants`` by ±20 % on an already compiled model (costs only, no
 tracing) and reports the relative change of the samples/s estimate; the
 report written while profiling carries the rows and
 ``python -m poptorchsim report`` prints the top five."""
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import poptorchsim
-from poptorchsim.machine import constants as K
-from poptorchsim.machine.cost import op_cost
+from poptorchsim.estimate import constants as K
+from poptorchsim.estimate.cost import op_cost
 from poptorchsim.profiling import summary
 
 from conftest import quiet_options

@@ -3,7 +3,7 @@
 ``poptorchsim.register_custom_op`` defines the op (``capture.custom_ops``)
 and records here, under its ATen-style name, the cost its author declares,
 as a Poplar vertex's ``getCycleEstimate`` and its temporary buffers would:
-the cost class ``custom`` (``machine.cost``) reads it.
+the cost class ``custom`` (``estimate.cost``) reads it.
 """
 from dataclasses import dataclass
 from typing import Callable, Optional, Union

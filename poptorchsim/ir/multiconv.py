@@ -1,7 +1,7 @@
 """A multi-convolution: convolutions PopTorch's ``MultiConv`` groups into
 one compute set (PopLibs' ``multiconv``).  The face fills in the options,
 lowering the member ops (forward convolutions traced inside the scope, in
-trace order), ``machine.cost`` plans them together."""
+trace order), ``estimate.cost`` plans them together."""
 from dataclasses import dataclass, field
 from typing import Optional
 

@@ -3,7 +3,7 @@
 The IR holds PyTorch's core ATen op set (``torch.Tag.core``) and the
 composite operations named below; capture decomposes everything else that
 PyTorch can decompose (``capture/decompositions.py``).  The machine turns a
-cost class plus shapes into work per tile (``machine/cost.py``):
+cost class plus shapes into work per tile (``estimate/cost.py``):
 
 =============== ============================================================
 class           work on the tiles
@@ -20,15 +20,15 @@ norm            four passes of a reduction
 pool            a windowed reduction
 gather          indexed reads or writes: indices and rows cross the exchange
 sort            log2(n) compare-exchange rounds (sorting networks, scans)
-matmul/conv     the AMP units (``machine/cost._plan_matmul``)
+matmul/conv     the AMP units (``estimate/cost._plan_matmul``)
 custom          a user's custom op: the cycles and temporary memory its
                 author declared (``ir.custom``, ``register_custom_op``)
-loop            a loop: its body's cost times the count (``machine/cost``)
+loop            a loop: its body's cost times the count (``estimate/cost``)
 cond            a conditional: the condition's trip to the control program,
                 then the longer branch's cost
 rnn             a fused recurrent layer (popnn's LSTM): the input projection
                 as one matmul, then per time step a matmul and the gates'
-                element-wise work (``machine/cost._rnn_cost``)
+                element-wise work (``estimate/cost._rnn_cost``)
 host            the device stops while the host prints a tensor or runs a
                 CPU op (``poptorchsim::ipu_print_tensor``, ``host_call``):
                 bytes over PCIe each way plus the copies' latency

@@ -14,7 +14,7 @@ are scalars (one element at most) computed only from values the host
 knows: the float64 hyperparameters, the step counters the caller names,
 scalar constants and the results of other host-scalar ops.  The engine
 still runs these ops; the machine charges them no cycles
-(``machine.cost.op_cost``), no vertex state (``passes.memory``), and a
+(``estimate.cost.op_cost``), no vertex state (``passes.memory``), and a
 result that only other host-scalar ops read no tile memory
 (``passes.tile_mapping``).  A result a device op reads (the float32 cast
 of ``lr``, the new step count) lives on the tiles like a hyperparameter.

@@ -4,7 +4,7 @@
 graph calls, collectives, Streaming Memory transfers and host streams of one
 call, in the order Poplar runs them.  The engine executes exactly this tree
 (``machine/engine.py``) and the estimate charges exactly this tree
-(``machine/program_cost.py``).
+(``estimate/program_cost.py``).
 
 Training, per device iteration (one weight update)::
 

@@ -18,7 +18,7 @@ import torch
 
 from ..capture import blocks as _blocks
 from ..errors import Error
-from ..machine.targets import default_target
+from ..estimate.targets import default_target
 
 
 class _OneStagePerBlock:

@@ -17,11 +17,11 @@ compile path (docs/architecture.md follows one convolution through it):
  8  map tiles               ``passes.tile_mapping``: every tensor on tiles
  9  precision               ``runtime.precision.apply``: half partials,
                             stochastic rounding, floating-point checks
-10  op costs                ``machine.cost``: cycles and temporary bytes per op
+10  op costs                ``estimate.cost``: cycles and temporary bytes per op
 11  locate                  ``passes.locations``: Streaming Memory, sharding
 12  control program         ``passes.program.build_main``: ``Program.main``
 13  memory                  ``passes.memory``: every IPU's tiles, checked
-14  estimate                ``machine.program_cost``: a walk over ``main``
+14  estimate                ``estimate.program_cost``: a walk over ``main``
 15  generate code           ``machine.codegen``: one Python function per graph
 ==  ======================  ====================================================
 
@@ -45,9 +45,9 @@ from ..errors import Error, UnsupportedOperationError
 from ..ir.graph import Program
 from ..ir.verify import verify_program
 from ..machine.codegen import compile_graph
-from ..machine.cost import op_cost, with_branches_taken
-from ..machine.program_cost import estimate
-from ..machine.targets import with_io_tiles
+from ..estimate.cost import op_cost, with_branches_taken
+from ..estimate.program_cost import estimate
+from ..estimate.targets import with_io_tiles
 from ..passes import locations as tensor_locations
 from ..passes import recompute
 from ..passes.lower import NoActiveBlockError, lower, mark_role

@@ -9,7 +9,7 @@ private storage.
 from dataclasses import dataclass, field, fields
 
 from .. import enums
-from ..machine.targets import default_target
+from ..estimate.targets import default_target
 from .engine_options import allow_out_of_memory
 from .popart_options import recomputation_type, synthetic_data_mode
 from .precision import auto_loss_scaling, settings as precision_settings
@@ -49,7 +49,7 @@ class CompileConfig:
     accumulation: int = 1             # gradient accumulation (1 in inference)
     replicas: int = 1                 # replicas of this process (replicationFactor / inputGroup)
     processes: int = 1                # host processes sharing the replicas
-    target: object = field(default_factory=default_target)   # machine.targets.Target
+    target: object = field(default_factory=default_target)   # estimate.targets.Target
     amp: object = 0.6                 # available memory proportion, or {IPU: proportion}
     allow_oom: bool = False           # Poplar's debug.allowOutOfMemory
     synthetic: bool = False           # enableSyntheticData: no host streams

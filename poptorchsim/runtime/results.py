@@ -46,7 +46,7 @@ class _SimulationResults:
 
     def estimateSensitivity(self, top=None):
         """How far to trust the throughput estimate: per cost-model constant
-        (``machine.constants``), the relative change of the samples/s
+        (``estimate.constants``), the relative change of the samples/s
         estimate with it x0.8 (``low``) and x1.2 (``high``), the constants
         that move it most first (``top`` of them, or all).  Only the costs
         are recomputed, not the graph."""

@@ -1,7 +1,7 @@
 """How far to trust an estimate: which cost-model constant it depends on most.
 
 ``sensitivity(compiled, amp)`` re-estimates a compiled program with each
-constant of ``machine.constants`` scaled by 0.8 and by 1.2 (nothing is traced
+constant of ``estimate.constants`` scaled by 0.8 and by 1.2 (nothing is traced
 or planned again: only the ops' costs and the step's estimate are
 recomputed) and returns, per constant, the relative change of the samples/s
 estimate, the constants that move it most first.  A constant whose ±20 %
@@ -11,9 +11,9 @@ fifth.
 """
 from dataclasses import dataclass
 
-from ..machine import constants as K
-from ..machine.cost import op_cost
-from ..machine.program_cost import estimate
+from ..estimate import constants as K
+from ..estimate.cost import op_cost
+from ..estimate.program_cost import estimate
 
 #: constants that only the whole-call estimate reads (not one op's cost):
 #: varying them reuses the ops' costs

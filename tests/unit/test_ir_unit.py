@@ -11,7 +11,7 @@ from poptorchsim.ir.graph import (AllGather, AllReduce, Call, DeviceToHost,
                                   HostToDevice, Op, ReduceScatter, RemoteLoad, RemoteStore,
                                   Repeat, Sequence, Step)
 from poptorchsim.ir.verify import verify_graph, verify_program
-from poptorchsim.machine.targets import TEST_IPU
+from poptorchsim.estimate.targets import TEST_IPU
 from poptorchsim.passes.program import build_main
 from poptorchsim.passes.tile_mapping import map_graph
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from poptorchsim.ir.graph import Call, Sequence
-from poptorchsim.machine import program_cost
+from poptorchsim.estimate import program_cost
 from poptorchsim.machine.codegen import compile_graph
-from poptorchsim.machine.cost import OpCost
+from poptorchsim.estimate.cost import OpCost
 from poptorchsim.machine.engine import Engine, OutputCollector, shard
-from poptorchsim.machine.targets import TEST_IPU
+from poptorchsim.estimate.targets import TEST_IPU
 from poptorchsim.passes.locations import Location
 from poptorchsim.passes.program import build_main
 

@@ -8,7 +8,7 @@ import pytest
 from poptorchsim.errors import Error
 from poptorchsim.ir.graph import Program, all_ops
 from poptorchsim.ir.verify import verify_program
-from poptorchsim.machine.targets import TEST_IPU
+from poptorchsim.estimate.targets import TEST_IPU
 from poptorchsim.passes import recompute
 from poptorchsim.passes.pipeline import input_ipus, input_stages, place_update
 from poptorchsim.passes.placement import Placement, place

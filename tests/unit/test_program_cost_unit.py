@@ -10,10 +10,10 @@ import pytest
 
 from poptorchsim.ir.graph import (AllGather, AllReduce, Call, HostToDevice, ReduceScatter,
                                   RemoteLoad, RemoteStore, Repeat)
-from poptorchsim.machine import constants as K
-from poptorchsim.machine.cost import OpCost
-from poptorchsim.machine.program_cost import estimate, link_cycles
-from poptorchsim.machine.targets import MK2, TEST_IPU, with_io_tiles
+from poptorchsim.estimate import constants as K
+from poptorchsim.estimate.cost import OpCost
+from poptorchsim.estimate.program_cost import estimate, link_cycles
+from poptorchsim.estimate.targets import MK2, TEST_IPU, with_io_tiles
 from poptorchsim.passes.pipeline import schedule
 from poptorchsim.passes.placement import Placement, place
 from poptorchsim.passes.program import build_main

@@ -87,6 +87,12 @@ _constant("CONV_POSITION_CYCLES", 400, "cycles per kernel position x channel gro
           "56 worker cycles (x 6 contexts = 336) before its output elements (fp32; fp16 "
           "45 x 6 = 270): about 400 (PerformanceEstimation.hpp l.759-800, l.955-1000)")
 
+_constant("AMP_COEFF_LOAD_BYTES", 8, "B per cycle", "poplibs",
+          "bytes of weights an AMP vertex loads into its conv units per cycle: the "
+          "target's convUnitCoeffLoadBytesPerCycle (16) halved because Poplar's default "
+          "use128BitConvUnitLoad is false (lib/poplin/ConvModel.cpp l.273-277, "
+          "ConvOptions.hpp l.42)")
+
 # --- exchange and supersteps --------------------------------------------------------------
 _constant("EXCHANGE_EFFICIENCY", 0.5, "x peak exchange rate", "estimate",
           "exchange rarely streams at the 4 B/cycle peak: scattered regions, receive "

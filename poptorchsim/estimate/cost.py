@@ -31,8 +31,10 @@ import numpy as np
 
 from ..ir.custom import cost_of as custom_cost_of
 from . import constants as K
+from .conv_ops import passes_of
+from .conv_plan import plan as conv_plan
 
-# Every constant lives in machine/constants.py with its unit and source; the
+# Every constant lives in estimate/constants.py with its unit and source; the
 # functions below read them at call time (``K.NAME``) so that
 # ``constants.overridden`` can vary them (sensitivity analysis).
 VERTEX_OVERHEAD = K.VERTEX_OVERHEAD     # the default value, for tests that compare
@@ -70,6 +72,7 @@ class OpCost:
     flops: int = 0
     parts: dict = None          # a loop's or conditional's sub-graphs: name -> [OpCost]
     host: float = 0.0           # cycles the device waits on the host (host ops)
+    plan: str = ""              # a convolution's or matmul's plan (``conv_plan.Plan.describe``)
 
     @property
     def total(self):
@@ -497,12 +500,47 @@ def _partials_item(op, item):
 
 
 def _plan_matmul_plain(op, target, amp, outs, item, cost):
+    """A convolution (each pass) or matrix product planned as Poplar plans
+    it (``conv_plan.plan``); other AMP ops by ``_matmul_on_tiles``."""
+    passes = passes_of(op, item, _partials_item(op, item))
+    if passes:
+        return _planned(op, passes, target, amp, outs, item, cost)
     macs, _ = _macs(op)
     k_ch, o_ch = _channels(op)
     extra = _extra_supersteps(op.target.overloadpacket.__name__)
     return _matmul_on_tiles(macs, k_ch, o_ch, [t.nbytes for t in op.input_tensors()],
                             sum(t.numel for t in outs), item, extra, target, amp, cost,
                             _partials_item(op, item), positions=_kernel_positions(op))
+
+
+def _planned(op, passes, target, amp, outs, item, cost):
+    """The op's cost from one Poplar-style plan per pass: their cycles
+    added, their temporary bytes the largest (the passes run one after
+    another); an input gradient first transposes and flips the weights (one
+    more compute set), an ``addmm`` adds its bias after the product."""
+    limit = amp * target.bytes_per_tile
+    plans = [conv_plan(p, target.tiles, limit, target.sync_cycles) for p in passes]
+    macs = sum(p.macs for p in passes)
+    cost.macs, cost.flops = macs, 2 * macs
+    cost.compute = sum(p.compute for p in plans)
+    cost.exchange = sum(p.exchange for p in plans)
+    cost.sync = target.sync_cycles * sum(p.supersteps for p in plans)
+    temp = np.zeros(target.tiles)
+    for p in plans:
+        temp[:p.tiles] = np.maximum(temp[:p.tiles], p.temp_bytes)
+    cost.temp_bytes = temp
+    for p in passes:
+        if p.pass_name == "bwd":
+            w = p.groups * p.cin * p.cout * p.kh * p.kw * p.in_bytes / target.tiles
+            cost.compute += w / _vector_rate(target) + K.VERTEX_OVERHEAD
+            cost.exchange += _exchange_cycles(w, target)
+            cost.sync += target.sync_cycles
+    if op.target.overloadpacket.__name__ in ("addmm", "baddbmm", "addmv"):
+        out_max = float(max(t.mapping.max_bytes() for t in outs))
+        cost.compute += out_max / _vector_rate(target) + K.VERTEX_OVERHEAD
+        cost.sync += target.sync_cycles
+    cost.plan = "; ".join(f"{p.pass_name}: {q.describe()}" for p, q in zip(passes, plans))
+    return cost
 
 
 def _conv_plan(op, target, amp, item, partial_item, back_off):

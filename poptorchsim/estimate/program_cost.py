@@ -16,7 +16,7 @@ Repeat          its body, ``count`` times.  The loop whose body calls the
                 stages' forward and backward cycles; the accumulation loop
                 also adds every gradient into its accumulator once per
                 micro-batch (one vector pass and a sync)
-Call            the graph's ops (``machine/cost.op_cost``, summed by kind);
+Call            the graph's ops (``estimate/cost.op_cost``, summed by kind);
                 the optimizer update runs on every IPU holding parameters at
                 once, so its cycles are shared among them
 AllReduce       a ring over IPU-Links, two phases (reduce-scatter then
