@@ -76,18 +76,44 @@ class Conv:
         ho = (h + 2 * pad_h - kh) // stride + 1
         wo = (w + 2 * pad_w - kw) // stride + 1
         return Conv(groups, cin, cout, batch * ho, wo, kh, kw, stride,
-                    batch * (h + 2 * pad_h), w + 2 * pad_w, item, partial, item, "fwd")
+                    batch * (h + 2 * pad_h), w + 2 * pad_w, item, partial, item,
+                    "fwd").flattened()
+
+    def flattened(self):
+        """A 1x1 kernel at stride 1 sums over no neighbours: Poplar folds the
+        batch and the field into one dimension (``flattenDims``)."""
+        if self.kh == 1 and self.kw == 1 and self.stride == 1 and self.rows > 1:
+            n = self.rows * self.cols
+            return replace(self, rows=1, cols=n, in_rows=1, in_cols=n)
+        return self
+
+    def expanded(self, both):
+        """Poplar's ``expandDims``: the kernel's columns (``both``: all its
+        positions) folded into the input channels, the input becoming the
+        output's field (an im2col); a few input channels then fill the AMP
+        unit."""
+        if both:
+            n = self.rows * self.cols
+            return replace(self, cin=self.cin * self.kh * self.kw, rows=1, cols=n, kh=1, kw=1,
+                           stride=1, in_rows=1, in_cols=n)
+        return replace(self, cin=self.cin * self.kw, kw=1, in_cols=self.cols,
+                       in_rows=(self.rows - 1) * self.stride + self.kh)
 
     def input_grad(self, batch, h, w):
         """The input gradient: a convolution of the output gradient (input
-        dilated by the stride) with the flipped, transposed weights; the
-        dilation's zeros are skipped by the vertex's work lists, so each
-        input position sums over about kh/stride x kw/stride positions."""
+        dilated by the stride, padded by the kernel less one) with the
+        flipped, transposed weights; the vertex's work lists skip the
+        dilation's and the padding's zeros, so each input position sums over
+        about kh/stride x kw/stride positions, and never more than the
+        output has."""
         s = self.stride
-        return Conv(self.groups, self.cout, self.cin, batch * h, w,
-                    cdiv(self.kh, s), cdiv(self.kw, s), 1, self.rows + (self.kh - 1) * batch,
+        # positions of the kernel that only meet the padding are never
+        # visited: at most the output's extent per dimension
+        kh = min(cdiv(self.kh, s), max(1, self.rows // batch))
+        kw = min(cdiv(self.kw, s), self.cols)
+        return Conv(self.groups, self.cout, self.cin, batch * h, w, kh, kw, 1, self.rows + (self.kh - 1) * batch,
                     self.cols + self.kw - 1, self.in_bytes, self.partial_bytes, self.out_bytes,
-                    "bwd")
+                    "bwd").flattened()
 
     def weight_grad(self):
         """The weight update's gradient: batch and input channels swap, the
@@ -121,12 +147,14 @@ class Plan:
     supersteps: int        # compute sets, each one sync
     temp_bytes: float      # per used tile
     swapped: bool = False
+    expanded: str = ""     # the kernel's "columns" or "all" positions folded into channels
 
     def describe(self):
         g, f, i, o = self.splits
         text = (f"{self.vertex} on {self.tiles} tiles: groups/{g} field/{f} in/{i} out/{o}"
                 + (f", {self.serial} serial" if self.serial > 1 else "")
-                + (", operands swapped" if self.swapped else ""))
+                + (", operands swapped" if self.swapped else "")
+                + (f", kernel {self.expanded} expanded" if self.expanded else ""))
         return text
 
 
@@ -159,6 +187,8 @@ def _amp(c, gt, n, cols_t, it, ot, kpos_outer, kw):
     units, _ = _amp_units(c)
     half_in = c.in_bytes == 2
     core = 4 if half_in else 8
+    if c.kh == 1 and c.kw == 1 and c.rows == 1:
+        return _amp_1x1(c, gt, n, it, ot, units)
     entries, size = _worker_entries(n, cols_t)
     if half_in:
         f = np.where(size >= 3, 34 + (size - 3) * core, np.where(size == 2, 33, 29))
@@ -173,6 +203,31 @@ def _amp(c, gt, n, cols_t, it, ot, kpos_outer, kw):
     zero = WORKERS * ot * gt * (np.ceil(np.ceil(n * units / WORKERS) / zero_vw) + 5)
     return (103 + 36 + 54 + gt * (17 * ot + 6 * (ot - 1) + 1) + 6 * (gt - 1) + 1
             + gt * (16 + it * (14 + ot * (14 + inner))) + zero)
+
+
+def _amp_1x1(c, gt, n, it, ot, units):
+    """ConvPartial1x1Out: a 1x1 kernel over a flattened field, one work-list
+    entry of about n/6 positions per worker
+    (getConvPartial1x1SupervisorCycleEstimate, the Mk2 paths)."""
+    size = np.maximum(1, np.ceil(n / WORKERS))
+    loads = units * 32 / K.AMP_COEFF_LOAD_BYTES
+    if c.in_bytes == 2:
+        retention = 10
+
+        def worker(z):
+            first = 2 if z else 4
+            return np.where(size >= 3, (38 if z else 40) + (size - 3) * 4,
+                            np.where(size == 2, 40 + first, 31 + first)) - retention
+    else:
+        retention = 0
+
+        def worker(z):
+            return 46 + (2 + 8 * size) * z + (size - 3).clip(0) * 8
+    inner0, inner1 = WORKERS * worker(0), WORKERS * worker(1)
+    r2 = 2 if retention else 0
+    return (50 + WORKERS * (retention + r2 * (it * gt - 1))
+            + gt * (12 + (it - 1) * (16 + ot * (19 + 6 + loads + inner0))
+                    + 11 + ot * (19 + 7 + loads + inner1)))
 
 
 def _vmac(c, gt, n, kh, kw):
@@ -323,6 +378,11 @@ def plan(c, tiles, limit_bytes, sync):
         if serial > 1 and cdiv(c.cout, serial) < 4:
             break
         options = _evaluate(c, tiles, limit_bytes, serial, sync)
+        if c.kh * c.kw > 1:
+            for both in (False, True):
+                e = c.expanded(both)
+                options += [(f, cy, t, replace(p, expanded="all" if both else "columns"))
+                            for f, cy, t, p in _evaluate(e, tiles, limit_bytes, serial, sync)]
         if c.pass_name in ("matmul", "wu"):
             options += [(f, cy, t, replace(p, swapped=True))
                         for f, cy, t, p in _evaluate(c.swapped(), tiles, limit_bytes, serial, sync)]
