@@ -33,6 +33,7 @@ from ..ir.custom import cost_of as custom_cost_of
 from . import constants as K
 from .conv_ops import passes_of
 from .conv_plan import plan as conv_plan
+from .layer_costs import embedding_cycles, pool_cycles, reduce_cycles
 
 # Every constant lives in estimate/constants.py with its unit and source; the
 # functions below read them at call time (``K.NAME``) so that
@@ -157,6 +158,15 @@ def op_cost(op, target, amp=0.6):
         plan = _rnn_cost if cls == "rnn" else _plan_matmul
         return plan(op, target, amp, outs, item, cost)
 
+    layer = _layer_cost(op, target, item)
+    if layer is not None:
+        compute, exchange, steps = layer
+        cost.compute = compute
+        cost.exchange = exchange + (K.EXCHANGE_SETUP_CYCLES if exchange > 0 else 0)
+        cost.sync = steps * sync
+        cost.flops = sum(t.numel for t in op.input_tensors())
+        return cost
+
     if cls in ("elementwise", "transcendental", "random", "creation"):
         per_cycle = _vector_rate(target) * {"transcendental": K.TRANSCENDENTAL_RATE,
                                            "random": K.RANDOM_RATE,
@@ -200,6 +210,47 @@ def op_cost(op, target, amp=0.6):
     cost.exchange = _exchange_cycles(out_max, target)
     cost.compute = out_max / _vector_rate(target) + K.VERTEX_OVERHEAD
     return cost
+
+
+_REDUCTIONS = ("sum", "amax", "amin", "mean", "prod", "max", "min", "logsumexp", "norm",
+               "linalg_vector_norm")
+
+
+def _layer_cost(op, target, item):
+    """(compute, exchange, supersteps) of max pooling, a reduction over
+    dimensions or an embedding lookup or its gradient at Poplar's vertex
+    rates (``layer_costs``); None for any other op."""
+    name = op.target.overloadpacket.__name__
+    outs = [t for t in op.outputs if t is not None]
+    if name in ("max_pool2d_with_indices", "max_pool2d_with_indices_backward"):
+        backward = name.endswith("backward")
+        x = op.args[1] if backward else op.args[0]
+        y = op.args[0] if backward else outs[0]
+        if len(x.shape) != 4:
+            return None
+        kernel = op.args[2] if backward else op.args[1]
+        kernel = list(kernel) * 2 if len(kernel) == 1 else list(kernel)
+        return pool_cycles(x.shape[0], x.shape[1], x.shape[2], x.shape[3], y.shape[2],
+                           y.shape[3], kernel[:2], item, backward, target.tiles)
+    if op.cost_class == "reduction" and name in _REDUCTIONS and outs and op.args:
+        x = op.args[0]
+        if getattr(x, "mapping", None) is None or x.numel <= outs[0].numel:
+            return None
+        return reduce_cycles(x.numel, outs[0].numel, x.mapping.n_tiles, _itemsize(x),
+                             target.tiles)
+    if name == "embedding":
+        w, idx = op.args[0], op.args[1]
+        return embedding_cycles(w.shape[0], w.shape[1], idx.numel, _itemsize(w), False,
+                                target.tiles)
+    if name == "embedding_dense_backward":
+        grad, idx, rows = op.args[0], op.args[1], op.args[2]
+        width = grad.shape[-1]
+        compute, exchange, steps = embedding_cycles(rows, width, idx.numel, _itemsize(grad),
+                                                    True, target.tiles)
+        # the dense gradient starts as zeros
+        zero = rows * width * _itemsize(grad) / target.tiles / (2 * _vector_rate(target))
+        return compute + zero + K.VERTEX_OVERHEAD, exchange, steps + 1
+    return None
 
 
 def _host_cost(op, target):
