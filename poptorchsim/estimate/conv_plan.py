@@ -145,7 +145,8 @@ class Plan:
     compute: float         # cycles: vertices (conv, reduction, cast)
     exchange: float        # cycles: operands, partials
     supersteps: int        # compute sets, each one sync
-    temp_bytes: float      # per used tile
+    temp_bytes: float      # per used tile, as the planner bounds it (all operands touched)
+    live_bytes: float = 0.0    # per used tile, allocated: received operands and partials
     swapped: bool = False
     expanded: str = ""     # the kernel's "columns" or "all" positions folded into channels
 
@@ -352,6 +353,8 @@ def _evaluate(c, tiles, limit, serial, sync):
         steps = steps + (depth > 1) + ((depth == 1) & (c.partial_bytes != c.out_bytes))
         temp = (c.in_bytes * (inputs + weights) + c.partial_bytes * outputs
                 + np.where(depth > 1, reduced * c.partial_bytes, 0.0))
+        live = (c.in_bytes * (moved_in + moved_w) + c.partial_bytes * outputs
+                + np.where(depth > 1, reduced * c.partial_bytes, 0.0))
         cycles = serial * (compute + red + cast + exchange + red_x + steps * sync)
         fits = temp <= limit
         for mask in (fits, np.ones_like(fits)):
@@ -363,7 +366,8 @@ def _evaluate(c, tiles, limit, serial, sync):
                                         int(os_[best])), serial, int(used[best]),
                                  float(serial * (compute[best] + red[best] + cast[best])),
                                  float(serial * (exchange[best] + red_x[best])),
-                                 int(serial * steps[best]), float(temp[best]))))
+                                 int(serial * steps[best]), float(temp[best]),
+                                 float(live[best]))))
                 break
     return out
 

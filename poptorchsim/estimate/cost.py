@@ -578,7 +578,7 @@ def _planned(op, passes, target, amp, outs, item, cost):
     cost.sync = target.sync_cycles * sum(p.supersteps for p in plans)
     temp = np.zeros(target.tiles)
     for p in plans:
-        temp[:p.tiles] = np.maximum(temp[:p.tiles], p.temp_bytes)
+        temp[:p.tiles] = np.maximum(temp[:p.tiles], p.live_bytes)
     cost.temp_bytes = temp
     for p in passes:
         if p.pass_name == "bwd":

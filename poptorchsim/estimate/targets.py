@@ -63,6 +63,17 @@ class Target:
     # min(fp16InFp16Out units, pipeline depth 4 x fp32 stored per cycle 2) = 8,
     # so float partials get half the MACs: 8 x 4 = 32.
     amp_macs_fp16_float_partials: int = 0
+    # Tile memory layout (PopVision's "including gaps"): the operands of the
+    # AMP vertices live in the interleaved region, which starts this many
+    # bytes above the tile's base; below it the non-interleaved region holds
+    # code, vertex state and the rest, and whatever it leaves unused is a
+    # gap.  Mk2: 208 KiB, read off Poplar's own IpuModel2 figures for the
+    # development rows (benchmarks/poplar_layers.py): a fully-connected layer
+    # with a few hundred bytes per tile reports 213,064 B on its fullest tile
+    # (fc_layer_8_1000_5_half: 212,992 + 72), every matmul layer at least
+    # 212,992 B, while layers without matmuls report their bytes alone.
+    # Fitted on those development rows.
+    interleaved_start: int = 212_992
 
     @property
     def total_bytes(self):

@@ -47,6 +47,11 @@ class MemoryReport:
     # target's control code per tile; variable -> role ("param", "input", ...).
     vertex_state: np.ndarray = None
     code_bytes_per_tile: int = 0
+    # Tiles where an AMP vertex (a convolution's or matmul's plan) runs:
+    # their data sits in the interleaved region, above the target's
+    # ``interleaved_start`` (``including_gaps``).
+    interleaved: np.ndarray = None
+    interleaved_start: int = 0
     roles: dict = field(default_factory=dict)
 
     @property
@@ -67,8 +72,21 @@ class MemoryReport:
         return self.always_live + self.not_always_live
 
     @property
+    def including_gaps(self):
+        """Bytes per tile as PopVision's "including gaps" counts them: on a
+        tile where an AMP vertex runs, the data above the interleaved
+        region's start (the non-interleaved region below holds code and
+        vertex state; the rest of it is a gap)."""
+        total = self.total
+        if self.interleaved is None or not self.interleaved_start:
+            return total
+        code = self.code_bytes_per_tile + (0 if self.vertex_state is None else self.vertex_state)
+        gapped = np.maximum(total, self.interleaved_start + total - code)
+        return np.where(self.interleaved, gapped, total)
+
+    @property
     def peak_tile(self):
-        return int(np.argmax(self.total))
+        return int(np.argmax(self.including_gaps))
 
     def largest_on(self, tile, n=5):
         """(bytes, name) of the largest tensors on ``tile`` at its fullest moment:
@@ -202,6 +220,7 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None, shared
     for v in by_tensor.values():
         always += v
     vertex_state = np.zeros(tiles, dtype=np.int64)
+    interleaved = np.zeros(tiles, dtype=bool)
     peak = np.zeros(tiles, dtype=np.int64)
     plain = peak.copy()               # the peak without recomputation
     recomputation, recomputed_ops = "None", []
@@ -216,6 +235,8 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None, shared
             temp_k, state_k = _op_memory(op, cost, tiles, ipu)
             temps.add(k, temp_k)
             vertex_state += state_k
+            if cost.plan:
+                interleaved |= np.asarray(cost.temp_bytes) > 0
         # off-chip variables this graph loads
         temps.loads = [loaded[t.name] for t in graph.inputs if t.name in loaded]
         offload = phased and program.activations_off_chip
@@ -247,6 +268,7 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None, shared
                             plain if recomputed_ops else None),
                         vertex_state=vertex_state,
                         code_bytes_per_tile=target.code_bytes_per_tile,
+                        interleaved=interleaved, interleaved_start=target.interleaved_start,
                         roles={name: variables[name].role for name in by_tensor})
 
 
@@ -271,8 +293,9 @@ def variable_phases(program):
 def check_fits(report, target, allow_out_of_memory=False, n_ipus=1):
     """Raises Poplar's out-of-memory error, or with ``allow_out_of_memory``
     (Poplar's ``debug.allowOutOfMemory``) logs it and lets compilation finish
-    so the report can show where memory runs out."""
-    total = report.total
+    so the report can show where memory runs out.  A tile's bytes are
+    counted as its layout places them (``MemoryReport.including_gaps``)."""
+    total = report.including_gaps
     if total.max() <= report.capacity:
         return
     tile = int(np.argmax(total > report.capacity))

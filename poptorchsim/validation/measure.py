@@ -57,10 +57,13 @@ def layer_cycles(compiled, layer):
     return total
 
 
-def memory_figures(compiled):
-    """(total bytes over the tiles, the fullest tile's bytes) as PopVision's
-    memory report counts them: always-live plus the peak of not-always-live."""
+def memory_figures(compiled, code=True):
+    """(total bytes over the tiles, the fullest tile's bytes including gaps)
+    as PopVision's memory report counts them: always-live plus the peak of
+    not-always-live.  ``code=False``: without the control code and vertex
+    code, for a reference compiled without IPU code (its figures count none)."""
     report = compiled.memory
-    per_tile = np.asarray(report.always_live, dtype=float) + \
-        np.asarray(report.not_always_live, dtype=float)
-    return float(per_tile.sum()), float(per_tile.max())
+    per_tile = np.asarray(report.total, dtype=float)
+    if not code:
+        per_tile = per_tile - report.code_bytes_per_tile
+    return float(per_tile.sum()), float(np.max(report.including_gaps))
