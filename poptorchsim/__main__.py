@@ -5,7 +5,9 @@ with the five cost-model constants each estimate depends on most
 (``executor.estimateSensitivity()``);
 ``python -m poptorchsim ops DIR`` lists the ATen operations each model uses,
 with their cost class and cycles; ``python -m poptorchsim plan SCRIPT`` searches
-the IPU configurations SCRIPT's model could train in (``runtime/planner.py``)."""
+the IPU configurations SCRIPT's model could train in (``runtime/planner.py``);
+``python -m poptorchsim validate`` compares the estimate with Poplar's own IPU
+Model figures layer by layer (``validation``), so you know how far to trust it."""
 import argparse
 import json
 import os
@@ -78,6 +80,29 @@ def _plan(args):
     return 0 if result.best is not None else 1
 
 
+def _validate(args):
+    from . import validation
+    table = validation.reference()["rows"]
+    if args.kinds:
+        kinds = set(args.kinds.split(","))
+        unknown = kinds - set(validation.KINDS)
+        if unknown:
+            print(f"poptorchsim validate: unknown kind(s) {', '.join(sorted(unknown))}; "
+                  f"choose from {', '.join(validation.KINDS)}", file=sys.stderr)
+            return 2
+        table = [r for r in table if validation.kind_of(r) in kinds]
+    rows = validation.compare([r["name"] for r in table], progress=True)
+    source = validation.reference()["source"]
+    print(f"poptorchsim against Poplar's IPU Model ({source['target']}, graphcore/poplibs "
+          f"{source['commit'][:8]} {source['table']}), {len(rows)} layers; error = "
+          "max(r, 1/r) - 1 of r = ours / Poplar's")
+    if args.rows:
+        print(validation.row_table(rows))
+        print()
+    print(validation.summary_table(rows, worst=args.worst))
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m poptorchsim",
                                      description="poptorchsim command line tools")
@@ -114,6 +139,17 @@ def main(argv=None):
     command.add_argument("--top", type=int, default=15, help="fitting rows to print")
     command.add_argument("--out", default="plan_out", help="directory for plan.json, plan.png")
     command.set_defaults(run=_plan)
+    command = commands.add_parser(
+        "validate", help="compare the estimate with Poplar's own figures, layer by layer",
+        description="Rebuild each of Poplar's benchmark layers (poplibs' IpuModel2 rows: "
+                    "convolutions, fully connected, gemm, LSTM, GRU, pooling, reductions, "
+                    "embeddings; the ResNet-50, VGG-16 and AlexNet rows held out) as a "
+                    "one-layer program, compile it without weights and print, per kind, "
+                    "how far our cycles and memory are from Poplar's.")
+    command.add_argument("--kinds", default="", help="comma-separated kinds (default: all)")
+    command.add_argument("--rows", action="store_true", help="print every row too")
+    command.add_argument("--worst", type=int, default=5, help="worst rows to name")
+    command.set_defaults(run=_validate)
     args = parser.parse_args(argv)
     return args.run(args)
 

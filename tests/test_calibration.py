@@ -47,22 +47,23 @@ def test_kernel_positions_follow_convpartialnx1():
 
 
 def test_small_convolution_pays_a_worker_run_per_kernel_position():
-    # 5 -> 12 channels, 5x5: one channel group on every tile, 25 runs each
-    op, target = _conv_op(5, 12, 5)
-    with K.overridden(CONV_POSITION_CYCLES=0, CONV_VERTEX_CYCLES=0):
-        bare = op_cost(op, target).compute
-    full = op_cost(op, target).compute
-    assert full - bare == pytest.approx(K.CONV_VERTEX_CYCLES + 25 * K.CONV_POSITION_CYCLES)
-    # and that fixed cost dominates such a small convolution, as on an IPU
-    assert full > 2 * bare
+    # 5 -> 12 channels, 5x5: the AMP vertex's fixed costs per kernel
+    # position dominate such a small convolution, as on an IPU
+    from poptorchsim.estimate.conv_plan import Conv, plan
+    small = Conv.forward(1, 1, 5, 12, 28, 28, 5, 5, 1, 0, 0, 4, 4)
+    p = plan(small, MK2.tiles, 0.6 * MK2.bytes_per_tile, MK2.sync_cycles)
+    assert p.compute > 2 * small.macs / (p.tiles * MK2.amp_macs_fp32)
+    wider = plan(Conv.forward(1, 1, 5, 12, 28, 28, 5, 1, 1, 0, 0, 4, 4), MK2.tiles,
+                 0.6 * MK2.bytes_per_tile, MK2.sync_cycles)
+    assert p.compute > wider.compute
 
 
-def test_a_1x1_convolution_pays_one_run():
+def test_a_1x1_convolution_is_a_flattened_1x1_vertex():
+    from poptorchsim.estimate.conv_plan import Conv
+    c = Conv.forward(1, 4, 16, 16, 28, 28, 1, 1, 1, 0, 0, 2, 4)
+    assert (c.rows, c.cols) == (1, 4 * 28 * 28)
     op, target = _conv_op(16, 16, 1)
-    with K.overridden(CONV_POSITION_CYCLES=0, CONV_VERTEX_CYCLES=0):
-        bare = op_cost(op, target).compute
-    assert op_cost(op, target).compute - bare == pytest.approx(
-        K.CONV_VERTEX_CYCLES + K.CONV_POSITION_CYCLES)
+    assert "AMP" in op_cost(op, target).plan
 
 
 def test_an_exchange_pays_its_setup():

@@ -7,7 +7,6 @@ import torch
 
 import poptorchsim as poptorch
 from conftest import ClassifierWithLoss, classification_batch, quiet_options
-from poptorchsim.estimate.cost import VERTEX_OVERHEAD, _vertex_cycles
 from poptorchsim.estimate.targets import MK1, MK2
 from poptorchsim.profiling import op_table, write_report
 
@@ -40,11 +39,12 @@ def test_half_partials_double_the_amp_rate_on_mk2():
     fl = _matmul_cost(x, 1024, 1024, torch.float)
     half = _matmul_cost(x, 1024, 1024, torch.half)
     assert fl.macs == half.macs == 256 * 1024 * 1024
-    # the fixed part: one extra compute set and the AMP vertex's own cycles
-    # (1024/8 x 1024/16 channel groups shared by 1472 tiles)
-    fixed = VERTEX_OVERHEAD + _vertex_cycles(1, 1024, 1024, 1472)
-    ratio = (fl.compute - fixed) / (half.compute - fixed)
-    assert ratio == MK2.amp_macs_fp16 / MK2.amp_macs_fp16_float_partials == 2.0
+    # the AMP vertex runs 16 conv units with half partials, 8 with float
+    # ones (getFp16InFp32OutConvUnitsPerTile): its core loop does twice the
+    # work per pass; the vertex's fixed costs and the exchange are the same
+    assert fl.plan.startswith("matmul: AMP") and half.plan.startswith("matmul: AMP")
+    assert 1.5 < fl.compute / half.compute <= 2.0 * 1.05
+    assert MK2.amp_macs_fp16 / MK2.amp_macs_fp16_float_partials == 2.0
     assert half.total < fl.total
     # Mk1's AMP runs fp16 at the same rate with either partials type
     assert MK1.amp_macs_fp16 == MK1.amp_macs_fp16_float_partials == 32
@@ -57,7 +57,9 @@ def test_half_partials_halve_temporary_partial_sums():
     fl = _matmul_cost(x, 8192, 16, torch.float)
     half = _matmul_cost(x, 8192, 16, torch.half)
     assert half.temp_bytes.sum() < fl.temp_bytes.sum()
-    assert half.exchange < fl.exchange and half.compute < fl.compute
+    assert half.exchange < fl.exchange
+    # its few outputs leave the AMP idle: fixed costs, about equal either way
+    assert half.total <= 1.05 * fl.total
 
 
 def _train(half=True, sr=False, loss_scaling=None, partials=None, profile=None):

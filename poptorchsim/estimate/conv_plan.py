@@ -357,10 +357,11 @@ def _evaluate(c, tiles, limit, serial, sync):
                 + np.where(depth > 1, reduced * c.partial_bytes, 0.0))
         cycles = serial * (compute + red + cast + exchange + red_x + steps * sync)
         fits = temp <= limit
-        for mask in (fits, np.ones_like(fits)):
+        # the fastest plan that fits, else the one needing the least memory
+        for mask, keys in ((fits, (temp, cycles)), (np.ones_like(fits), (cycles, temp))):
             if mask.any():
                 idx = np.flatnonzero(mask)
-                best = idx[np.lexsort((temp[idx], cycles[idx]))[0]]
+                best = idx[np.lexsort((keys[0][idx], keys[1][idx]))[0]]
                 out.append((bool(mask[best] and fits[best]), float(cycles[best]), float(temp[best]),
                             Plan(name, (int(gs[best]), int(fs[best]), int(is_[best]),
                                         int(os_[best])), serial, int(used[best]),

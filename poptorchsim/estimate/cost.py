@@ -516,20 +516,35 @@ def _serialized_matmul(op, serialization, target, amp, outs, item, cost):
     name = op.target.overloadpacket.__name__
     if name not in _SERIALIZABLE or factor <= 1:
         return _plan_matmul_plain(op, target, amp, outs, item, cost)
-    lhs, rhs = (op.args[i] for i in _SERIALIZABLE[name])
-    macs, _ = _macs(op)
-    k_ch, o_ch = _channels(op)
-    out_elems = sum(t.numel for t in outs)
-    lhs_b, rhs_b = lhs.nbytes, rhs.nbytes
-    if mode == "input_channels":
-        lhs_b, out_elems = lhs_b / factor, out_elems / factor
-    elif mode == "reducing_dim":
-        lhs_b, rhs_b, k_ch = lhs_b / factor, rhs_b / factor, k_ch / factor
+    passes = passes_of(op, item, _partials_item(op, item))
+    if passes:
+        whole = passes[0]           # Conv.matmul: cin = K, cout = N, cols = M
+        m, k, n = whole.cols, whole.cin, whole.cout
+        if mode == "input_channels":
+            m = -(-m // factor)
+        elif mode == "reducing_dim":
+            k = -(-k // factor)
+        else:
+            n = -(-n // factor)
+        piece = _planned(op, [type(whole).matmul(whole.groups, m, k, n, item,
+                                                 whole.partial_bytes)],
+                         target, amp, outs, item, OpCost())
+        macs = whole.macs
     else:
-        rhs_b, out_elems, o_ch = rhs_b / factor, out_elems / factor, o_ch / factor
-    extra = _extra_supersteps(name)
-    piece = _matmul_on_tiles(macs / factor, k_ch, o_ch, [lhs_b, rhs_b], int(out_elems), item,
-                             extra, target, amp, OpCost(), _partials_item(op, item))
+        lhs, rhs = (op.args[i] for i in _SERIALIZABLE[name])
+        macs, _ = _macs(op)
+        k_ch, o_ch = _channels(op)
+        out_elems = sum(t.numel for t in outs)
+        lhs_b, rhs_b = lhs.nbytes, rhs.nbytes
+        if mode == "input_channels":
+            lhs_b, out_elems = lhs_b / factor, out_elems / factor
+        elif mode == "reducing_dim":
+            lhs_b, rhs_b, k_ch = lhs_b / factor, rhs_b / factor, k_ch / factor
+        else:
+            rhs_b, out_elems, o_ch = rhs_b / factor, out_elems / factor, o_ch / factor
+        piece = _matmul_on_tiles(macs / factor, k_ch, o_ch, [lhs_b, rhs_b], int(out_elems),
+                                 item, _extra_supersteps(name), target, amp, OpCost(),
+                                 _partials_item(op, item))
     cost.macs, cost.flops = macs, 2 * macs
     cost.compute, cost.exchange = piece.compute * factor, piece.exchange * factor
     cost.sync = piece.sync * factor
@@ -597,11 +612,15 @@ def _planned(op, passes, target, amp, outs, item, cost):
 def _conv_plan(op, target, amp, item, partial_item, back_off):
     """One convolution of a ``MultiConv`` on ``target``'s tiles: the fastest
     plan, or, within ``back_off`` (a proportion) of its cycles, the plan
-    with the least temporary memory (more serial chunks)."""
+    with the least temporary memory (more serial chunks).  A plain
+    convolution gets its Poplar-style plan on the tiles it is given."""
+    outs = [t for t in op.outputs if t is not None]
+    passes = passes_of(op, item, partial_item or _partials_item(op, item))
+    if passes:
+        return _planned(op, passes, target, amp, outs, item, OpCost())
     macs, _ = _macs(op)
     k_ch, o_ch = _channels(op)
     extra = _extra_supersteps(op.target.overloadpacket.__name__)
-    outs = [t for t in op.outputs if t is not None]
     args = (macs, k_ch, o_ch, [t.nbytes for t in op.input_tensors()],
             sum(t.numel for t in outs), item, extra, target, amp)
     positions = _kernel_positions(op)

@@ -93,6 +93,8 @@ class Op:
     recompute: bool = False           # run again before its stage's backward (passes/recompute.py)
     watched: bool = False             # fp16 backward op the gradient watch counts (loss_scaling)
     partials: str = "float"           # "half": fp16 partials of a matmul or conv (precision)
+    plan: str = ""                    # a conv's or matmul's Poplar-style plan, per pass
+                                      # (estimate/conv_plan.py; set with the op costs)
 
     def input_tensors(self):
         found = []

@@ -39,6 +39,8 @@ def _placed(op):
         parts.append(f"{op.partials} partials")
     if op.role:
         parts.append(op.role)
+    if op.plan:
+        parts.append(f"plan {op.plan}")
     return ", ".join(parts)
 
 

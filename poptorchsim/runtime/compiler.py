@@ -430,6 +430,9 @@ def _plan(program, target, c, run):
     costs = {name: [op_cost(op, target, amp.get(op.ipu, 0.6) if isinstance(amp, dict) else amp)
                     for op in g.ops]
              for name, g in program.graphs.items()}                                     # 10
+    for name, g in program.graphs.items():
+        for op, cost in zip(g.ops, costs[name]):
+            op.plan = cost.plan
     run.done("op costs")
     run.stage("Memory planning")
     program.locations = tensor_locations.place(                                          # 11
