@@ -84,3 +84,22 @@ def test_nothing_below_the_face_reads_options_private_values():
 def test_the_compiler_driver_stays_short(name, limit):
     lines = (PACKAGE / name).read_text().count("\n")
     assert lines <= limit, f"{name} has {lines} lines: move work into passes/ or machine/"
+
+
+def test_the_two_wings_never_import_each_other():
+    """One program, walked twice: the estimate (``estimate/``) and the host
+    execution (``machine/``) read the IR and never each other."""
+    offenders = []
+    for wing, other in (("estimate", "machine"), ("machine", "estimate")):
+        for path in sorted((PACKAGE / wing).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom):
+                    module = node.module or ""
+                    names = [module] + [f"{module}.{a.name}" for a in node.names]
+                    if any(n.split(".")[0] == other or f".{other}" in f".{n}" for n in names
+                           if n) and (node.level > 0 or module.startswith("poptorchsim")):
+                        offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+                elif isinstance(node, ast.Import):
+                    if any(f"poptorchsim.{other}" in a.name for a in node.names):
+                        offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not offenders, offenders

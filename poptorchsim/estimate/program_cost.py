@@ -42,7 +42,7 @@ from ..ir.graph import (AllGather, AllReduce, Call, DeviceToHost, HostToDevice,
                         ReduceScatter, RemoteLoad, RemoteStore, Repeat, Sequence)
 from ..passes.pipeline import schedule
 from . import constants as K
-from .cost import _exchange_cycles
+from .cost import _exchange_cycles, op_cost
 
 KINDS = ("compute", "exchange", "sync", "host")      # an op's cycles (host: host ops' trips)
 
@@ -305,3 +305,16 @@ def _unsynced_host_seconds(program, sched, streams_s, device_s):
     if pattern == "ReplicaAndLadder" and replicas > 1:
         return max(streams_s / replicas, streams_s - device_s)
     return streams_s
+
+
+def op_costs(program, target, amp):
+    """An ``OpCost`` per op of every graph (``amp``: the available memory
+    proportion, or {IPU: proportion}, 0.6 where unset); each convolution's
+    and matmul's ``Op.plan`` is set from its cost, for ``getIR()``."""
+    costs = {}
+    for name, graph in program.graphs.items():
+        costs[name] = [op_cost(op, target, amp.get(op.ipu, 0.6) if isinstance(amp, dict)
+                               else amp) for op in graph.ops]
+        for op, cost in zip(graph.ops, costs[name]):
+            op.plan = cost.plan
+    return costs

@@ -45,8 +45,8 @@ from ..errors import Error, UnsupportedOperationError
 from ..ir.graph import Program
 from ..ir.verify import verify_program
 from ..machine.codegen import compile_graph
-from ..estimate.cost import op_cost, with_branches_taken
-from ..estimate.program_cost import estimate
+from ..estimate.cost import with_branches_taken
+from ..estimate.program_cost import estimate, op_costs
 from ..estimate.targets import with_io_tiles
 from ..passes import locations as tensor_locations
 from ..passes import recompute
@@ -426,13 +426,7 @@ def _plan(program, target, c, run):
     Returns (program, costs, memory of IPU 0 with ``.ipus`` = all, cycles,
     schedule).  ``c.amp``: the available memory proportion, or {IPU index:
     proportion} (setAvailableMemoryProportion per IPU; 0.6 where unset)."""
-    amp = c.amp
-    costs = {name: [op_cost(op, target, amp.get(op.ipu, 0.6) if isinstance(amp, dict) else amp)
-                    for op in g.ops]
-             for name, g in program.graphs.items()}                                     # 10
-    for name, g in program.graphs.items():
-        for op, cost in zip(g.ops, costs[name]):
-            op.plan = cost.plan
+    costs = op_costs(program, target, c.amp)                                            # 10
     run.done("op costs")
     run.stage("Memory planning")
     program.locations = tensor_locations.place(                                          # 11
