@@ -30,7 +30,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import constants as K
 
 # Split values tried for each partitioned dimension: enough to reach every
 # tile count within a few percent (Poplar's popsolver tries every integer).
@@ -178,7 +177,7 @@ def _worker_entries(n, cols):
     return entries, size
 
 
-def _amp(c, gt, n, cols_t, it, ot, kpos_outer, kw):
+def _amp(c, gt, n, cols_t, it, ot, kpos_outer, kw, coeff):
     """Cycles of one AMP vertex on a tile (ConvPartialnx1, or
     ConvPartial1x1Out for a 1x1 kernel): ``gt`` conv groups, ``it`` input
     and ``ot`` output channel groups, ``n`` output positions in rows of
@@ -189,7 +188,7 @@ def _amp(c, gt, n, cols_t, it, ot, kpos_outer, kw):
     half_in = c.in_bytes == 2
     core = 4 if half_in else 8
     if c.kh == 1 and c.kw == 1 and c.rows == 1:
-        return _amp_1x1(c, gt, n, it, ot, units)
+        return _amp_1x1(c, gt, n, it, ot, units, coeff)
     entries, size = _worker_entries(n, cols_t)
     if half_in:
         f = np.where(size >= 3, 34 + (size - 3) * core, np.where(size == 2, 33, 29))
@@ -197,7 +196,7 @@ def _amp(c, gt, n, cols_t, it, ot, kpos_outer, kw):
         f = np.where(size >= 3, 45 + (size - 3) * core, np.where(size == 2, 44, 33))
     worker = 17 + entries * (f - 6)
     per_pass = WORKERS * worker
-    weight_load = units * 32 / K.AMP_COEFF_LOAD_BYTES
+    weight_load = units * 32 / coeff
     innermost = weight_load + 15 + 3
     inner = kpos_outer * (14 + kw * (12 + (innermost + per_pass)))
     zero_vw = 2
@@ -206,12 +205,12 @@ def _amp(c, gt, n, cols_t, it, ot, kpos_outer, kw):
             + gt * (16 + it * (14 + ot * (14 + inner))) + zero)
 
 
-def _amp_1x1(c, gt, n, it, ot, units):
+def _amp_1x1(c, gt, n, it, ot, units, coeff):
     """ConvPartial1x1Out: a 1x1 kernel over a flattened field, one work-list
     entry of about n/6 positions per worker
     (getConvPartial1x1SupervisorCycleEstimate, the Mk2 paths)."""
     size = np.maximum(1, np.ceil(n / WORKERS))
-    loads = units * 32 / K.AMP_COEFF_LOAD_BYTES
+    loads = units * 32 / coeff
     if c.in_bytes == 2:
         retention = 10
 
@@ -290,7 +289,7 @@ def _candidates(c, tiles):
     return grid[:, 0], grid[:, 1], grid[:, 2], grid[:, 3]
 
 
-def _evaluate(c, tiles, limit, serial, sync):
+def _evaluate(c, tiles, limit, serial, sync, coeff):
     """The best plan of ``c`` (output channels in ``serial`` pieces) for
     each vertex type, as a list of (cycles, temp, Plan)."""
     out = []
@@ -326,7 +325,7 @@ def _evaluate(c, tiles, limit, serial, sync):
             cin_t, cout_t = it * icpg, ot * ocpg
             fh = max(1, weights_per_unit // icpg) if icpg < weights_per_unit else 1
             kpos_outer = cdiv(c.kh, fh)
-            compute = _amp(c, gt, n, cols_t, it, ot, kpos_outer, c.kw)
+            compute = _amp(c, gt, n, cols_t, it, ot, kpos_outer, c.kw, coeff)
         elif name == "VMAC":
             gt4 = cdiv(gt, 4)
             cin_t = cout_t = np.ones_like(gt)
@@ -374,23 +373,23 @@ def _evaluate(c, tiles, limit, serial, sync):
 
 
 @functools.lru_cache(maxsize=4096)
-def plan(c, tiles, limit_bytes, sync):
+def plan(c, tiles, limit_bytes, sync, coeff=8):
     """The fastest plan of ``c`` on ``tiles`` tiles (each compute set paying
-    ``sync`` cycles) whose temporary bytes per tile fit ``limit_bytes`` (output channels split serially until one
+    ``sync`` cycles, AMP weights loaded at ``coeff`` bytes per cycle) whose temporary bytes per tile fit ``limit_bytes`` (output channels split serially until one
     fits; the least-memory plan if none does)."""
     fallback = None
     for serial in (1, 2, 4, 8, 16, 32):
         if serial > 1 and cdiv(c.cout, serial) < 4:
             break
-        options = _evaluate(c, tiles, limit_bytes, serial, sync)
+        options = _evaluate(c, tiles, limit_bytes, serial, sync, coeff)
         if c.kh * c.kw > 1:
             for both in (False, True):
                 e = c.expanded(both)
                 options += [(f, cy, t, replace(p, expanded="all" if both else "columns"))
-                            for f, cy, t, p in _evaluate(e, tiles, limit_bytes, serial, sync)]
+                            for f, cy, t, p in _evaluate(e, tiles, limit_bytes, serial, sync, coeff)]
         if c.pass_name in ("matmul", "wu"):
             options += [(f, cy, t, replace(p, swapped=True))
-                        for f, cy, t, p in _evaluate(c.swapped(), tiles, limit_bytes, serial, sync)]
+                        for f, cy, t, p in _evaluate(c.swapped(), tiles, limit_bytes, serial, sync, coeff)]
         fitting = [o for o in options if o[0]]
         if fitting:
             return min(fitting, key=lambda o: (o[1], o[2]))[3]

@@ -86,7 +86,7 @@ class MemoryReport:
 
     @property
     def peak_tile(self):
-        return int(np.argmax(self.including_gaps))
+        return int(np.argmax(self.total))
 
     def largest_on(self, tile, n=5):
         """(bytes, name) of the largest tensors on ``tile`` at its fullest moment:
@@ -293,9 +293,8 @@ def variable_phases(program):
 def check_fits(report, target, allow_out_of_memory=False, n_ipus=1):
     """Raises Poplar's out-of-memory error, or with ``allow_out_of_memory``
     (Poplar's ``debug.allowOutOfMemory``) logs it and lets compilation finish
-    so the report can show where memory runs out.  A tile's bytes are
-    counted as its layout places them (``MemoryReport.including_gaps``)."""
-    total = report.including_gaps
+    so the report can show where memory runs out."""
+    total = report.total
     if total.max() <= report.capacity:
         return
     tile = int(np.argmax(total > report.capacity))
