@@ -73,7 +73,7 @@ class _InputGrad(nn.Module):
     """``layer(x * s)`` with ``s`` a one-element parameter: the layer's input
     gradient is then computed, as Poplar's bwd pass computes it."""
 
-    def __init__(self, layer, loss="sum"):
+    def __init__(self, layer):
         super().__init__()
         self.s = nn.Parameter(torch.ones(()))
         self.layer = layer
