@@ -83,10 +83,11 @@ def test_mixed_precision_tutorial(tmp_path):
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, _failed(result, "mixed_precision.py --quick")
     out = result.stdout
-    # 1. fp16 weights, activations and optimizer state take less memory
+    # 1. fp16 activations and temporary buffers take less memory (the fullest
+    #    tile's code and vertex state do not depend on the type)
     memory = re.search(r"memory result: fp32 (\d+) B, fp16 (\d+) B", out)
     assert memory, out[-4000:]
-    assert int(memory.group(2)) < 0.95 * int(memory.group(1)), memory.group(0)
+    assert int(memory.group(2)) < 0.9 * int(memory.group(1)), memory.group(0)
     accuracy = re.findall(r"^  fp(?:32|16) .* KiB .* (\d+\.\d)%$", out, re.M)
     assert len(accuracy) == 2 and all(float(a) > 70 for a in accuracy), out[-4000:]
 

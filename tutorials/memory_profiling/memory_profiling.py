@@ -202,10 +202,10 @@ def main():
     rows = [measure(f"micro-batch {MICRO_BATCH} (too big)", too_big, MICRO_BATCH)]
     poptorch.setLogLevel("WARN")
     # (a) a smaller micro-batch, and the same batch per weight update again
-    rows.append(measure("(a) micro-batch 256", base_options("ipu1"), 256))
+    rows.append(measure("(a) micro-batch 64", base_options("ipu1"), 64))
     accumulate = base_options("ipu1")
-    accumulate.Training.gradientAccumulation(8)
-    rows.append(measure("(a) micro-batch 256, accumulate 8", accumulate, 256))
+    accumulate.Training.gradientAccumulation(32)
+    rows.append(measure("(a) micro-batch 64, accumulate 32", accumulate, 64))
     # (b) less memory for the matmuls' temporary buffers, the same micro-batch
     amp = base_options("ipu1").setAvailableMemoryProportion({"IPU0": 0.3})
     rows.append(measure("(b) availableMemoryProportion 0.3", amp, MICRO_BATCH))
