@@ -56,8 +56,8 @@ def test_half_partials_halve_temporary_partial_sums():
     x = torch.randn(4, 8192).half()
     fl = _matmul_cost(x, 8192, 16, torch.float)
     half = _matmul_cost(x, 8192, 16, torch.half)
+    # (each is planned on its own: the partitions, and so the exchange, may differ)
     assert half.temp_bytes.sum() < fl.temp_bytes.sum()
-    assert half.exchange < fl.exchange
     # its few outputs leave the AMP idle: fixed costs, about equal either way
     assert half.total <= 1.05 * fl.total
 

@@ -65,6 +65,13 @@ class Conv:
     partial_bytes: int = 4     # partial sums: float unless half partials
     out_bytes: int = 2
     pass_name: str = "fwd"     # fwd, bwd, wu, matmul
+    swap: bool = False         # operands swapped (swapOperands)
+    expand: bool = False       # kernel folded into the input channels (expandDims)
+    # elements per group of the tensors a rearrangement copies, where they
+    # are not what the shapes say (0): the input without its padding, the
+    # weight update's real operands rather than their expanded views
+    in_elems: int = 0
+    w_elems: int = 0
 
     @property
     def macs(self):
@@ -76,7 +83,7 @@ class Conv:
         wo = (w + 2 * pad_w - kw) // stride + 1
         return Conv(groups, cin, cout, batch * ho, wo, kh, kw, stride,
                     batch * (h + 2 * pad_h), w + 2 * pad_w, item, partial, item,
-                    "fwd").flattened()
+                    "fwd", in_elems=cin * batch * h * w).flattened()
 
     def flattened(self):
         """A 1x1 kernel at stride 1 sums over no neighbours: Poplar folds the
@@ -94,9 +101,10 @@ class Conv:
         if both:
             n = self.rows * self.cols
             return replace(self, cin=self.cin * self.kh * self.kw, rows=1, cols=n, kh=1, kw=1,
-                           stride=1, in_rows=1, in_cols=n)
+                           stride=1, in_rows=1, in_cols=n, expand=True, in_elems=0)
         return replace(self, cin=self.cin * self.kw, kw=1, in_cols=self.cols,
-                       in_rows=(self.rows - 1) * self.stride + self.kh)
+                       in_rows=(self.rows - 1) * self.stride + self.kh, expand=True,
+                       in_elems=0)
 
     def input_grad(self, batch, h, w):
         """The input gradient: a convolution of the output gradient (input
@@ -112,7 +120,7 @@ class Conv:
         kw = min(cdiv(self.kw, s), self.cols)
         return Conv(self.groups, self.cout, self.cin, batch * h, w, kh, kw, 1, self.rows + (self.kh - 1) * batch,
                     self.cols + self.kw - 1, self.in_bytes, self.partial_bytes, self.out_bytes,
-                    "bwd").flattened()
+                    "bwd", in_elems=self.cout * self.rows * self.cols).flattened()
 
     def weight_grad(self):
         """The weight update's gradient: batch and input channels swap, the
@@ -122,7 +130,9 @@ class Conv:
         [kh.kw.cin] x [batch.ho.wo] x [cout]."""
         return Conv(self.groups, self.rows * self.cols, self.cout, 1, self.kh * self.kw * self.cin,
                     in_rows=1, in_cols=self.kh * self.kw * self.cin, in_bytes=self.in_bytes,
-                    partial_bytes=self.partial_bytes, out_bytes=self.out_bytes, pass_name="wu")
+                    partial_bytes=self.partial_bytes, out_bytes=self.out_bytes, pass_name="wu",
+                    in_elems=self.in_elems or self.cin * self.rows * self.cols,
+                    w_elems=self.cout * self.rows * self.cols)
 
     @staticmethod
     def matmul(groups, m, k, n, item, partial):
@@ -131,7 +141,8 @@ class Conv:
 
     def swapped(self):
         """A matrix product with its operands swapped (C^T = B^T A^T)."""
-        return replace(self, cout=self.cols, cols=self.cout, in_cols=self.cout)
+        return replace(self, cout=self.cols, cols=self.cout, in_cols=self.cout, swap=not self.swap,
+                       in_elems=self.w_elems, w_elems=self.in_elems)
 
 
 @dataclass(frozen=True)
@@ -177,14 +188,13 @@ def _worker_entries(n, cols):
     return entries, size
 
 
-def _amp(c, gt, n, cols_t, it, ot, kpos_outer, kw, coeff):
+def _amp(c, gt, n, cols_t, it, ot, kpos_outer, kw, coeff, units):
     """Cycles of one AMP vertex on a tile (ConvPartialnx1, or
     ConvPartial1x1Out for a 1x1 kernel): ``gt`` conv groups, ``it`` input
     and ``ot`` output channel groups, ``n`` output positions in rows of
     ``cols_t``, ``kpos_outer`` x ``kw`` kernel passes
     (PerformanceEstimation.hpp: getConvPartialnx1SupervisorCycleEstimate,
-    getConvPartial1x1SupervisorCycleEstimate)."""
-    units, _ = _amp_units(c)
+    getConvPartial1x1SupervisorCycleEstimate); ``units`` conv units."""
     half_in = c.in_bytes == 2
     core = 4 if half_in else 8
     if c.kh == 1 and c.kw == 1 and c.rows == 1:
@@ -274,6 +284,49 @@ def _exchange(nbytes, rate=4.0):
     return np.ceil(nbytes / rate)
 
 
+def _transforms(c, name, icpg, ocpg, weights_per_unit, cout, used):
+    """(copy cycles, exchange cycles, compute sets, temporary bytes) per
+    tile of rearranging the operands and the output into the layouts the
+    plan's vertices need (addTransformCycleEstimate): a weight-update pass,
+    an expanded kernel, operands swapped other than the pass expects
+    (matrix products and weight updates expect them swapped), or channels
+    padded to the vertex's groups.  Memory is copied at 8 bytes a cycle
+    (``getMemcpyBytesPerCycle``) less a 5/4 factor (5/3 where the channels
+    do not fill a 64-bit word), exchanged at 4 bytes a cycle."""
+    wu, mm = c.pass_name == "wu", c.pass_name == "matmul"
+    amp = name == "AMP"
+    pad_in = amp and c.cin % icpg != 0
+    pad_out = amp and cout % ocpg != 0
+    operands_swap = c.swap != mm
+    re_in = wu or c.expand or operands_swap or pad_in
+    re_w = wu or c.expand or operands_swap or pad_in or pad_out
+    re_out = (c.swap != (wu or mm)) or pad_out
+    regroup_out = amp and not mm and ocpg != weights_per_unit
+    grain = 2 if c.in_bytes == 4 else 4
+    copy = exchange = steps = 0.0
+    temp = 0.0
+    if re_in or re_w:
+        elems = c.groups * (re_in * (c.in_elems or c.cin * (c.in_rows or c.rows)
+                                      * (c.in_cols or c.cols))
+                            + re_w * (c.w_elems or c.cin * cout * c.kh * c.kw))
+        nbytes = np.ceil(elems / used) * c.in_bytes
+        factor = 4 if (c.cin * cout) % grain == 0 else 3
+        copy = copy + np.ceil(nbytes * 5 / (min(8, c.in_bytes) * factor))
+        exchange = exchange + np.ceil(nbytes / 4)
+        steps = steps + 1
+        temp = np.maximum(temp, 2 * nbytes)
+    if re_out or regroup_out:
+        nbytes = np.ceil(c.groups * cout * c.rows * c.cols / used) * c.out_bytes
+        factor = 4 if cout % grain == 0 else 3
+        rate = min(8, c.out_bytes) if re_out else min(8, ocpg * c.out_bytes)
+        copy = copy + np.ceil(nbytes * 5 / (rate * factor))
+        if re_out:
+            exchange = exchange + np.ceil(nbytes / 4)
+            steps = steps + 1
+        temp = np.maximum(temp, 2 * nbytes)
+    return copy, exchange, steps, temp
+
+
 def _candidates(c, tiles):
     """Every (conv-group, field, input-channel, output-channel) split whose
     product fits the tiles, as four integer arrays."""
@@ -312,6 +365,10 @@ def _evaluate(c, tiles, limit, serial, sync, coeff):
         if icpg > weights_per_unit or (icpg < weights_per_unit and c.cin >= weights_per_unit):
             continue
         vertices.append(("AMP", icpg, units))
+        if units == 16 and c.in_bytes == 2:
+            # Mk2 also offers half the conv units (a candidate of
+            # getConvVertexTypeCandidates when there are 16)
+            vertices.append(("AMP", icpg, 8))
     if depthwise and c.in_bytes == 2:
         vertices.append(("VMAC", 1, 1))
     if not vertices or c.cin < 16 or depthwise:
@@ -325,7 +382,7 @@ def _evaluate(c, tiles, limit, serial, sync, coeff):
             cin_t, cout_t = it * icpg, ot * ocpg
             fh = max(1, weights_per_unit // icpg) if icpg < weights_per_unit else 1
             kpos_outer = cdiv(c.kh, fh)
-            compute = _amp(c, gt, n, cols_t, it, ot, kpos_outer, c.kw, coeff)
+            compute = _amp(c, gt, n, cols_t, it, ot, kpos_outer, c.kw, coeff, ocpg)
         elif name == "VMAC":
             gt4 = cdiv(gt, 4)
             cin_t = cout_t = np.ones_like(gt)
@@ -354,6 +411,12 @@ def _evaluate(c, tiles, limit, serial, sync, coeff):
                 + np.where(depth > 1, reduced * c.partial_bytes, 0.0))
         live = (c.in_bytes * (moved_in + moved_w) + c.partial_bytes * outputs
                 + np.where(depth > 1, reduced * c.partial_bytes, 0.0))
+        t_copy, t_exchange, t_steps, t_temp = _transforms(c, name, icpg, ocpg, weights_per_unit,
+                                                          cout, used)
+        compute = compute + t_copy
+        exchange = exchange + t_exchange
+        steps = steps + t_steps
+        temp = np.maximum(temp, t_temp)
         cycles = serial * (compute + red + cast + exchange + red_x + steps * sync)
         fits = temp <= limit
         # the fastest plan that fits, else the one needing the least memory

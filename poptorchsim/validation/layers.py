@@ -154,6 +154,30 @@ class _Recurrent(nn.Module):
         return self.rnn(x)[0]
 
 
+class _GRUResetBefore(nn.Module):
+    """popnn's GRU as ``gru_layer`` runs it (``resetAfter`` false, its
+    default): per step one product of ``[x, h]`` for the reset and update
+    gates, then a second of ``[x, r * h]`` for the candidate.  PyTorch's
+    ``nn.GRU`` is the reset-after variant (one product of ``h`` for all three
+    gates, the reset applied after it), a different and cheaper cell."""
+
+    def __init__(self, inputs, outputs):
+        super().__init__()
+        self.gates = nn.Linear(inputs + outputs, 2 * outputs)
+        self.candidate = nn.Linear(inputs + outputs, outputs)
+        self.outputs = outputs
+
+    def forward(self, x):
+        h = x.new_zeros(x.shape[1], self.outputs)
+        out = []
+        for x_t in x.unbind(0):
+            reset, update = torch.sigmoid(self.gates(torch.cat([x_t, h], 1))).chunk(2, 1)
+            c = torch.tanh(self.candidate(torch.cat([x_t, reset * h], 1)))
+            h = c + update * (h - c)
+            out.append(h)
+        return torch.stack(out)
+
+
 def _dtype(params, default="half"):
     value = params.get("data-type", params.get("type", default))
     return torch.float32 if value == "float" else torch.float16
@@ -234,7 +258,8 @@ def _recurrent(cls):
     def make(p, dtype):
         steps, batch = int(p["sequence-size"]), int(p.get("batch-size", 1))
         i, o = int(p["input-size"]), int(p["output-size"])
-        body = _Recurrent(cls(i, o, bias=True))
+        body = (_GRUResetBefore(i, o) if cls is nn.GRU
+                else _Recurrent(cls(i, o, bias=True)))
         x = torch.zeros(steps, batch, i, dtype=dtype, device="cpu")
         train = p.get("phase", "fwd") == "all"
         module = _InputGrad(body) if train else body

@@ -64,6 +64,12 @@ def memory_figures(compiled, code=True):
     code, for a reference compiled without IPU code (its figures count none)."""
     report = compiled.memory
     per_tile = np.asarray(report.total, dtype=float)
+    gaps = np.asarray(report.including_gaps, dtype=float)
     if not code:
         per_tile = per_tile - report.code_bytes_per_tile
-    return float(per_tile.sum()), float(np.max(report.including_gaps))
+        # a tile without AMP work holds its bytes alone; one with AMP work
+        # is counted from the interleaved region's start, code or not
+        interleaved = (report.interleaved if report.interleaved is not None
+                       else np.zeros(len(per_tile), dtype=bool))
+        gaps = np.where(interleaved, gaps, per_tile)
+    return float(per_tile.sum()), float(np.max(gaps))
