@@ -145,15 +145,6 @@ class _Embedding(nn.Module):
         return identity_loss(self.embedding(idx), reduction="sum")
 
 
-class _Recurrent(nn.Module):
-    def __init__(self, rnn):
-        super().__init__()
-        self.rnn = rnn
-
-    def forward(self, x):
-        return self.rnn(x)[0]
-
-
 class _GRUResetBefore(nn.Module):
     """popnn's GRU as ``gru_layer`` runs it (``resetAfter`` false, its
     default): per step one product of ``[x, h]`` for the reset and update
@@ -174,6 +165,30 @@ class _GRUResetBefore(nn.Module):
             reset, update = torch.sigmoid(self.gates(torch.cat([x_t, h], 1))).chunk(2, 1)
             c = torch.tanh(self.candidate(torch.cat([x_t, reset * h], 1)))
             h = c + update * (h - c)
+            out.append(h)
+        return torch.stack(out)
+
+
+class _LSTMCellLoop(nn.Module):
+    """popnn's LSTM as ``lstm_layer`` runs it (``preCalcWeights`` false, its
+    default): per step one product of ``[x, h]`` for the four gates.
+    PyTorch's ``nn.LSTM`` instead multiplies the whole input sequence by the
+    input weights first, one large product whose temporary buffers popnn
+    never allocates."""
+
+    def __init__(self, inputs, outputs):
+        super().__init__()
+        self.gates = nn.Linear(inputs + outputs, 4 * outputs)
+        self.outputs = outputs
+
+    def forward(self, x):
+        h = x.new_zeros(x.shape[1], self.outputs)
+        c = h
+        out = []
+        for x_t in x.unbind(0):
+            i, f, g, o = self.gates(torch.cat([x_t, h], 1)).chunk(4, 1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(c)
             out.append(h)
         return torch.stack(out)
 
@@ -258,8 +273,7 @@ def _recurrent(cls):
     def make(p, dtype):
         steps, batch = int(p["sequence-size"]), int(p.get("batch-size", 1))
         i, o = int(p["input-size"]), int(p["output-size"])
-        body = (_GRUResetBefore(i, o) if cls is nn.GRU
-                else _Recurrent(cls(i, o, bias=True)))
+        body = _GRUResetBefore(i, o) if cls is nn.GRU else _LSTMCellLoop(i, o)
         x = torch.zeros(steps, batch, i, dtype=dtype, device="cpu")
         train = p.get("phase", "fwd") == "all"
         module = _InputGrad(body) if train else body
