@@ -137,6 +137,28 @@ def test_bert_builder_pipelines_over_four_ipus(fidelity):
     assert tm.cycleEstimate()["streaming"] > 0      # optimizer state off chip
 
 
+def test_bert_builder_places_layers_as_mlperfs_bert_does(fidelity):
+    """MLPerf v1.1's BERT starts its encoder on IPU 1 and ends it on IPU 0,
+    beside the embedding and the heads: ``ipu_of`` gives each layer's IPU."""
+    pytest.importorskip("transformers")
+    tiny = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                intermediate_size=128)
+    tm, n = fidelity.bert_pretraining(tiny, None, micro=2, ga=10, amp=[0.23] * 4,
+                                      loss_scaling=1.0, bias_correction=False,
+                                      serialization=2, replicas=2, seq=16, mask_tokens=4,
+                                      vocab=512, ipu="ipu2", ipu_of=[1, 2, 3, 0])
+    assert n == 40
+    program = tm._compiled.program
+    assert program.n_ipus == 4
+    ipu_of_layer = {}
+    for graph in program.graphs.values():
+        for op in graph.ops:
+            for i in range(4):
+                if f"encoder/{i}/" in op.name:
+                    ipu_of_layer.setdefault(i, set()).add(op.ipu)
+    assert ipu_of_layer == {0: {1}, 1: {2}, 2: {3}, 3: {0}}, ipu_of_layer
+
+
 # -- available memory proportion per IPU -------------------------------------------------------
 class TwoIPUs(nn.Module):
     def __init__(self):
