@@ -311,8 +311,6 @@ def resnet_training(micro=18, arch="resnet50", checkpoints=RESNET50_CHECKPOINTS,
     model = ImageClassifierWithLoss(model.half())
     opts = _quiet(poptorch.Options().replicationFactor(replicas))
     opts.useIpuModelVersion(ipu)
-    if allow_oom:           # estimate a configuration our memory model says overflows
-        opts._Popart.setEngineOptions({"debug.allowOutOfMemory": "true"})
     opts.enableSyntheticData(True)
     opts.Precision.setPartialsType(torch.float16)
     opts.Precision.enableStochasticRounding(True)
