@@ -93,6 +93,13 @@ _constant("AMP_COEFF_LOAD_BYTES", 8, "B per cycle", "poplibs",
           "use128BitConvUnitLoad is false (lib/poplin/ConvModel.cpp l.273-277, "
           "ConvOptions.hpp l.42)")
 
+_constant("MEMCPY_BYTES_PER_CYCLE", 8, "B per cycle", "estimate",
+          "bytes a tile copies per cycle when a plan rearranges its operands (the "
+          "target's getMemcpyBytesPerCycle, which poplibs' transform cost uses, "
+          "lib/poplin/ConvModel.cpp addTransformCycleEstimate); Poplar's Target is not "
+          "public: 8 is an unattributed third-party value (ipu-facts.md section 2b), the "
+          "64-bit load/store path")
+
 # --- exchange and supersteps --------------------------------------------------------------
 _constant("EXCHANGE_EFFICIENCY", 0.5, "x peak exchange rate", "estimate",
           "exchange rarely streams at the 4 B/cycle peak: scattered regions, receive "

@@ -284,15 +284,15 @@ def _exchange(nbytes, rate=4.0):
     return np.ceil(nbytes / rate)
 
 
-def _transforms(c, name, icpg, ocpg, weights_per_unit, cout, used):
+def _transforms(c, name, icpg, ocpg, weights_per_unit, cout, used, memcpy=8):
     """(copy cycles, exchange cycles, compute sets, temporary bytes) per
     tile of rearranging the operands and the output into the layouts the
     plan's vertices need (addTransformCycleEstimate): a weight-update pass,
     an expanded kernel, operands swapped other than the pass expects
     (matrix products and weight updates expect them swapped), or channels
-    padded to the vertex's groups.  Memory is copied at 8 bytes a cycle
-    (``getMemcpyBytesPerCycle``) less a 5/4 factor (5/3 where the channels
-    do not fill a 64-bit word), exchanged at 4 bytes a cycle."""
+    padded to the vertex's groups.  Memory is copied at ``memcpy`` bytes a
+    cycle (``getMemcpyBytesPerCycle``) less a 5/4 factor (5/3 where the
+    channels do not fill a 64-bit word), exchanged at 4 bytes a cycle."""
     wu, mm = c.pass_name == "wu", c.pass_name == "matmul"
     amp = name == "AMP"
     pad_in = amp and c.cin % icpg != 0
@@ -311,14 +311,14 @@ def _transforms(c, name, icpg, ocpg, weights_per_unit, cout, used):
                             + re_w * (c.w_elems or c.cin * cout * c.kh * c.kw))
         nbytes = np.ceil(elems / used) * c.in_bytes
         factor = 4 if (c.cin * cout) % grain == 0 else 3
-        copy = copy + np.ceil(nbytes * 5 / (min(8, c.in_bytes) * factor))
+        copy = copy + np.ceil(nbytes * 5 / (min(memcpy, c.in_bytes) * factor))
         exchange = exchange + np.ceil(nbytes / 4)
         steps = steps + 1
         temp = np.maximum(temp, 2 * nbytes)
     if re_out or regroup_out:
         nbytes = np.ceil(c.groups * cout * c.rows * c.cols / used) * c.out_bytes
         factor = 4 if cout % grain == 0 else 3
-        rate = min(8, c.out_bytes) if re_out else min(8, ocpg * c.out_bytes)
+        rate = min(memcpy, c.out_bytes) if re_out else min(memcpy, ocpg * c.out_bytes)
         copy = copy + np.ceil(nbytes * 5 / (rate * factor))
         if re_out:
             exchange = exchange + np.ceil(nbytes / 4)
@@ -342,7 +342,7 @@ def _candidates(c, tiles):
     return grid[:, 0], grid[:, 1], grid[:, 2], grid[:, 3]
 
 
-def _evaluate(c, tiles, limit, serial, sync, coeff):
+def _evaluate(c, tiles, limit, serial, sync, coeff, memcpy):
     """The best plan of ``c`` (output channels in ``serial`` pieces) for
     each vertex type, as a list of (cycles, temp, Plan)."""
     out = []
@@ -412,7 +412,7 @@ def _evaluate(c, tiles, limit, serial, sync, coeff):
         live = (c.in_bytes * (moved_in + moved_w) + c.partial_bytes * outputs
                 + np.where(depth > 1, reduced * c.partial_bytes, 0.0))
         t_copy, t_exchange, t_steps, t_temp = _transforms(c, name, icpg, ocpg, weights_per_unit,
-                                                          cout, used)
+                                                          cout, used, memcpy)
         compute = compute + t_copy
         exchange = exchange + t_exchange
         steps = steps + t_steps
@@ -436,23 +436,27 @@ def _evaluate(c, tiles, limit, serial, sync, coeff):
 
 
 @functools.lru_cache(maxsize=4096)
-def plan(c, tiles, limit_bytes, sync, coeff=8):
+def plan(c, tiles, limit_bytes, sync, coeff=8, memcpy=8):
     """The fastest plan of ``c`` on ``tiles`` tiles (each compute set paying
-    ``sync`` cycles, AMP weights loaded at ``coeff`` bytes per cycle) whose temporary bytes per tile fit ``limit_bytes`` (output channels split serially until one
+    ``sync`` cycles, AMP weights loaded at ``coeff`` bytes per cycle,
+    operands rearranged at ``memcpy`` bytes per cycle) whose temporary bytes
+    per tile fit ``limit_bytes`` (output channels split serially until one
     fits; the least-memory plan if none does)."""
     fallback = None
     for serial in (1, 2, 4, 8, 16, 32):
         if serial > 1 and cdiv(c.cout, serial) < 4:
             break
-        options = _evaluate(c, tiles, limit_bytes, serial, sync, coeff)
+        options = _evaluate(c, tiles, limit_bytes, serial, sync, coeff, memcpy)
         if c.kh * c.kw > 1:
             for both in (False, True):
                 e = c.expanded(both)
                 options += [(f, cy, t, replace(p, expanded="all" if both else "columns"))
-                            for f, cy, t, p in _evaluate(e, tiles, limit_bytes, serial, sync, coeff)]
+                            for f, cy, t, p in _evaluate(e, tiles, limit_bytes, serial, sync,
+                                                         coeff, memcpy)]
         if c.pass_name in ("matmul", "wu"):
             options += [(f, cy, t, replace(p, swapped=True))
-                        for f, cy, t, p in _evaluate(c.swapped(), tiles, limit_bytes, serial, sync, coeff)]
+                        for f, cy, t, p in _evaluate(c.swapped(), tiles, limit_bytes, serial,
+                                                     sync, coeff, memcpy)]
         fitting = [o for o in options if o[0]]
         if fitting:
             return min(fitting, key=lambda o: (o[1], o[2]))[3]

@@ -585,7 +585,8 @@ def _planned(op, passes, target, amp, outs, item, cost):
     another); an input gradient first transposes and flips the weights (one
     more compute set), an ``addmm`` adds its bias after the product."""
     limit = amp * target.bytes_per_tile
-    plans = [conv_plan(p, target.tiles, limit, target.sync_cycles, K.AMP_COEFF_LOAD_BYTES)
+    plans = [conv_plan(p, target.tiles, limit, target.sync_cycles, K.AMP_COEFF_LOAD_BYTES,
+                       K.MEMCPY_BYTES_PER_CYCLE)
              for p in passes]
     macs = sum(p.macs for p in passes)
     cost.macs, cost.flops = macs, 2 * macs
