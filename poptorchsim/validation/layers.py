@@ -8,7 +8,9 @@ convolutions and fully-connected layers train (forward, input gradient,
 weight update by plain SGD with learning rate 1); gemm and reductions run
 forward only; pooling runs forward and input gradient; LSTM and GRU run
 forward, and their ``--phase all`` rows also the backward pass without a
-weight update; embeddings gather rows and scatter-add gradients into them.
+weight update, each as popnn's cell (a GRU resetting before its candidate
+product, an LSTM without precomputed input products), not as ``nn.GRU`` or
+``nn.LSTM``; embeddings gather rows and scatter-add gradients into them.
 
 The input gradient is asked for the way a model in front of the layer
 would ask for it: the input is multiplied by a one-element parameter first.
