@@ -142,3 +142,19 @@ def test_the_recurrent_rows_are_rebuilt_as_popnns_cells():
     body = build(row).module
     body = body.layer if hasattr(body, "layer") else body
     assert type(body).__name__ == "_LSTMCellLoop" and body.gates.out_features == 4 * body.outputs
+
+
+def test_a_plan_says_what_it_rearranges():
+    """getIR() prints each op's plan: what the plan charges for rearranging
+    operands is named there too."""
+    from poptorchsim.estimate.conv_plan import Conv, plan
+    odd = plan(Conv.matmul(1, 5, 512, 1024, 2, 4), 1472, 0.6 * 638_976, 150)
+    assert "rearranged" in odd.describe() and "conv units" in odd.describe()
+
+
+def test_max_tile_of_a_tool_without_ipu_code_counts_no_code(rows):
+    """reduce_op compiled no IPU code: its rows' fullest tile is data alone,
+    below the control code we charge every tile of a real program."""
+    from poptorchsim.estimate.targets import MK2
+    reduce_rows = [r for r in rows if r.kind == "reduce"]
+    assert reduce_rows and all(r.max_tile < MK2.code_bytes_per_tile for r in reduce_rows)

@@ -159,13 +159,17 @@ class Plan:
     live_bytes: float = 0.0    # per used tile, allocated: received operands and partials
     swapped: bool = False
     expanded: str = ""     # the kernel's "columns" or "all" positions folded into channels
+    rearranged: str = ""   # the operands it copies into its layout ("input, weights")
+    units: int = 0         # AMP conv units the vertex runs
 
     def describe(self):
         g, f, i, o = self.splits
         text = (f"{self.vertex} on {self.tiles} tiles: groups/{g} field/{f} in/{i} out/{o}"
                 + (f", {self.serial} serial" if self.serial > 1 else "")
                 + (", operands swapped" if self.swapped else "")
-                + (f", kernel {self.expanded} expanded" if self.expanded else ""))
+                + (f", kernel {self.expanded} expanded" if self.expanded else "")
+                + (f", {self.units} conv units" if self.units else "")
+                + (f", {self.rearranged} rearranged" if self.rearranged else ""))
         return text
 
 
@@ -284,24 +288,32 @@ def _exchange(nbytes, rate=4.0):
     return np.ceil(nbytes / rate)
 
 
-def _transforms(c, name, icpg, ocpg, weights_per_unit, cout, used, memcpy=8):
-    """(copy cycles, exchange cycles, compute sets, temporary bytes) per
-    tile of rearranging the operands and the output into the layouts the
-    plan's vertices need (addTransformCycleEstimate): a weight-update pass,
-    an expanded kernel, operands swapped other than the pass expects
-    (matrix products and weight updates expect them swapped), or channels
-    padded to the vertex's groups.  Memory is copied at ``memcpy`` bytes a
-    cycle (``getMemcpyBytesPerCycle``) less a 5/4 factor (5/3 where the
-    channels do not fill a 64-bit word), exchanged at 4 bytes a cycle."""
+def _rearranged(c, name, icpg, ocpg, cout):
+    """(input, weights, output): which of them a plan rearranges
+    (addTransformCycleEstimate's flags): a weight-update pass, an expanded
+    kernel, operands swapped other than the pass expects (matrix products
+    and weight updates expect them swapped), or channels padded to the
+    vertex's groups."""
     wu, mm = c.pass_name == "wu", c.pass_name == "matmul"
     amp = name == "AMP"
     pad_in = amp and c.cin % icpg != 0
     pad_out = amp and cout % ocpg != 0
     operands_swap = c.swap != mm
-    re_in = wu or c.expand or operands_swap or pad_in
-    re_w = wu or c.expand or operands_swap or pad_in or pad_out
-    re_out = (c.swap != (wu or mm)) or pad_out
-    regroup_out = amp and not mm and ocpg != weights_per_unit
+    return (wu or c.expand or operands_swap or pad_in,
+            wu or c.expand or operands_swap or pad_in or pad_out,
+            (c.swap != (wu or mm)) or pad_out)
+
+
+def _transforms(c, name, icpg, ocpg, weights_per_unit, cout, used, memcpy=8):
+    """(copy cycles, exchange cycles, compute sets, temporary bytes) per
+    tile of rearranging the operands and the output into the layouts the
+    plan's vertices need (``_rearranged``; addTransformCycleEstimate), and of
+    regrouping an AMP output whose channel groups are not the next layer's.
+    Memory is copied at ``memcpy`` bytes a cycle (``getMemcpyBytesPerCycle``)
+    less a 5/4 factor (5/3 where the channels do not fill a 64-bit word),
+    exchanged at 4 bytes a cycle."""
+    re_in, re_w, re_out = _rearranged(c, name, icpg, ocpg, cout)
+    regroup_out = name == "AMP" and c.pass_name != "matmul" and ocpg != weights_per_unit
     grain = 2 if c.in_bytes == 4 else 4
     copy = exchange = steps = 0.0
     temp = 0.0
@@ -413,6 +425,8 @@ def _evaluate(c, tiles, limit, serial, sync, coeff, memcpy):
                 + np.where(depth > 1, reduced * c.partial_bytes, 0.0))
         t_copy, t_exchange, t_steps, t_temp = _transforms(c, name, icpg, ocpg, weights_per_unit,
                                                           cout, used, memcpy)
+        rearranged = ", ".join(what for what, flag in zip(
+            ("input", "weights", "output"), _rearranged(c, name, icpg, ocpg, cout)) if flag)
         compute = compute + t_copy
         exchange = exchange + t_exchange
         steps = steps + t_steps
@@ -430,7 +444,8 @@ def _evaluate(c, tiles, limit, serial, sync, coeff, memcpy):
                                  float(serial * (compute[best] + red[best] + cast[best])),
                                  float(serial * (exchange[best] + red_x[best])),
                                  int(serial * steps[best]), float(temp[best]),
-                                 float(live[best]))))
+                                 float(live[best]), rearranged=rearranged,
+                                 units=ocpg if name == "AMP" else 0)))
                 break
     return out
 

@@ -271,15 +271,16 @@ def _reduce(p, dtype):
     return Layer("", "reduce", _Reduce(p.get("operation", "ADD"), dims), (x,), False, note=note)
 
 
-def _recurrent(cls):
+def _recurrent(cell, kind):
+    """A builder of ``cell`` (popnn's LSTM or GRU cell loop) rows."""
     def make(p, dtype):
         steps, batch = int(p["sequence-size"]), int(p.get("batch-size", 1))
         i, o = int(p["input-size"]), int(p["output-size"])
-        body = _GRUResetBefore(i, o) if cls is nn.GRU else _LSTMCellLoop(i, o)
+        body = cell(i, o)
         x = torch.zeros(steps, batch, i, dtype=dtype, device="cpu")
         train = p.get("phase", "fwd") == "all"
         module = _InputGrad(body) if train else body
-        return Layer("", cls.__name__.lower(), module, (x,), train)
+        return Layer("", kind, module, (x,), train)
     return make
 
 
@@ -291,4 +292,5 @@ def _embedding(p, dtype):
 
 
 _BUILDERS = {"conv": _conv, "fc": _fc, "gemm": _gemm, "pool": _pool, "reduce": _reduce,
-             "lstm": _recurrent(nn.LSTM), "gru": _recurrent(nn.GRU), "embedding": _embedding}
+             "lstm": _recurrent(_LSTMCellLoop, "lstm"), "gru": _recurrent(_GRUResetBefore, "gru"),
+             "embedding": _embedding}
