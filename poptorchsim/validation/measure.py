@@ -65,15 +65,33 @@ def memory_figures(compiled, code=True):
     """(total bytes over the tiles, the fullest tile's bytes including gaps)
     as PopVision's memory report counts them: always-live plus the peak of
     not-always-live.  ``code=False``: without the control code and vertex
-    code, for a reference compiled without IPU code (its figures count none)."""
+    code, for a reference compiled without IPU code (its figures count none).
+
+    The tools hold what the layer needs and nothing of PopTorch's optimizer:
+    they update weights in place (conv, fc) or return the gradients (LSTM,
+    GRU), so neither the gradient accumulators, the optimizer state and
+    hyperparameters, nor the optimizer graph's peak (PopTorch SGD's fp32
+    casts) are counted; the gradients themselves are the training step's
+    results, in its not-always-live peak."""
     report = compiled.memory
-    per_tile = np.asarray(report.total, dtype=float)
-    gaps = np.asarray(report.including_gaps, dtype=float)
-    if not code:
-        per_tile = per_tile - report.code_bytes_per_tile
-        # a tile without AMP work holds its bytes alone; one with AMP work
-        # is counted from the interleaved region's start, code or not
-        interleaved = (report.interleaved if report.interleaved is not None
-                       else np.zeros(len(per_tile), dtype=bool))
-        gaps = np.where(interleaved, gaps, per_tile)
+    tiles = len(report.total)
+    optimizer = [name for name, role in report.roles.items()
+                 if role in ("accumulator", "state", "hyper")]
+    always = np.asarray(report.always_live, dtype=float).copy()
+    for name in optimizer:
+        always -= report.by_tensor[name]
+    peak = np.zeros(tiles)
+    for name, (usage, _, _) in report.graphs.items():
+        if name != "optimizer_update" and len(usage):
+            peak = np.maximum(peak, np.asarray(usage).max(axis=0))
+    total = always + peak
+    code_bytes = report.code_bytes_per_tile + (0 if report.vertex_state is None
+                                               else report.vertex_state)
+    interleaved = (report.interleaved if report.interleaved is not None
+                   else np.zeros(tiles, dtype=bool))
+    # a tile with AMP work is counted from the interleaved region's start
+    # (the region below holds its code), code or not; another holds its bytes
+    gapped = np.maximum(total, report.interleaved_start + total - code_bytes)
+    per_tile = total if code else total - report.code_bytes_per_tile
+    gaps = np.where(interleaved, gapped, per_tile)
     return float(per_tile.sum()), float(np.max(gaps))
