@@ -409,8 +409,12 @@ def _evaluate(c, tiles, limit, serial, sync, coeff, memcpy):
         moved_in = inputs - np.floor(inputs / os_)
         moved_w = weights - np.floor(weights / fs)
         in_rate = np.where(os_ % 2 == 0, 8.0, 4.0)
+        # the planner charges the partials' first exchange whatever the
+        # depth (addExchangeCycleEstimates' reduceFirstStage); with no
+        # reduction they stay on their tile, and the run does not pay it
+        out_x = _exchange(outputs * c.partial_bytes)
         exchange = (_exchange(moved_in * c.in_bytes, 1) / in_rate
-                    + _exchange(moved_w * c.in_bytes) + _exchange(outputs * c.partial_bytes))
+                    + _exchange(moved_w * c.in_bytes) + out_x)
         steps = np.ones_like(gt) * 2          # exchange + conv compute set
         depth = is_
         reduced = np.ceil(outputs / depth)
@@ -442,7 +446,8 @@ def _evaluate(c, tiles, limit, serial, sync, coeff, memcpy):
                             Plan(name, (int(gs[best]), int(fs[best]), int(is_[best]),
                                         int(os_[best])), serial, int(used[best]),
                                  float(serial * (compute[best] + red[best] + cast[best])),
-                                 float(serial * (exchange[best] + red_x[best])),
+                                 float(serial * (exchange[best] + red_x[best]
+                                                 - (depth[best] == 1) * out_x[best])),
                                  int(serial * steps[best]), float(temp[best]),
                                  float(live[best]), rearranged=rearranged,
                                  units=ocpg if name == "AMP" else 0)))
