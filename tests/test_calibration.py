@@ -33,7 +33,7 @@ def test_every_constant_has_a_source_and_unit():
         assert c.kind in ("hardware", "poplibs", "estimate", "fitted"), c.name
     # the fitted ones are few, and named
     assert {c.name for c in K.REGISTRY.values() if c.kind == "fitted"} == {
-        "HOST_COPY_LATENCY_S", "CALL_OVERHEAD_S"}
+        "HOST_COPY_LATENCY_S", "CALL_OVERHEAD_S", "code_bytes_per_tile"}
 
 
 def test_kernel_positions_follow_convpartialnx1():

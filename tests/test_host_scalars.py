@@ -13,7 +13,7 @@ import torch
 import poptorchsim as poptorch
 from conftest import (ClassifierWithLoss, assert_state_close, classification_batch,
                       quiet_options, reference_call)
-from poptorchsim.passes.memory import _vertex_state
+from poptorchsim.passes.memory import _used_tiles
 from poptorchsim.profiling import op_table
 
 OPTIMIZERS = {
@@ -60,7 +60,7 @@ def test_float64_scalars_are_host_work_and_the_weights_equal_eager(name):
     for op, cost in f64:
         assert op.host_scalar, op.name
         assert cost.total == 0 and cost.flops == 0, op.name
-        assert not _vertex_state(op, tiles).any(), op.name
+        assert not _used_tiles(op, tiles).any(), op.name
         for t in op.outputs:
             if t.dtype == torch.float64:        # never on the tiles
                 assert t.mapping.bytes_per_tile(tiles).sum() == 0, t.name
@@ -76,7 +76,7 @@ def test_float64_scalars_are_host_work_and_the_weights_equal_eager(name):
     for op, cost in tensor_ops:
         assert not op.host_scalar, op.name
         assert cost.compute > 0 and cost.sync > 0, op.name
-        assert _vertex_state(op, tiles).any(), op.name
+        assert _used_tiles(op, tiles).any(), op.name
     assert sum(c.total for c in costs) > 0
 
 

@@ -232,7 +232,9 @@ def test_each_searched_setting_reaches_the_compile():
     kept, recomputed = (planner.evaluate(Configuration(64, split, 1, 8, 0.6, recomputation=r))
                         for r in ("none", "pipeline"))
     assert max(recomputed.peak_tile) < max(kept.peak_tile)
-    assert recomputed.samples_per_second < kept.samples_per_second
+    # recomputing never speeds a step up; the pipeline's slowest stage (the
+    # last, which recomputes nothing) may bound both
+    assert recomputed.samples_per_second <= kept.samples_per_second
     half = Stack().half()
     x, y = _inputs()
     planner = Planner(half, (x.half(), y), _sgd(half), _test_ipu(), ipus=4,

@@ -170,6 +170,21 @@ _constant("streaming_bytes_per_s", 25e9, "B/s per IPU-Machine", "estimate",
           "shared by its 4 IPUs (ipu-facts 1c; Graphcore gives no DRAM bandwidth)",
           field="streaming_bytes_per_s")
 
+_constant("code_bytes_per_tile", 1250, "B per tile", "fitted",
+          "the code every tile holds whatever its program: Poplar's runtime, the "
+          "supervisor's start-up and the host exchange. Graphcore publishes no figure: "
+          "fitted to the development rows of Poplar's own benchmark table (poplibs "
+          "8dcde1ec tests/benchmark_results.csv, IpuModel2, the tools that compile IPU "
+          "code; held-out rows excluded) with the control code below; the fit is flat "
+          "between 1,000 and 2,000 B", field="code_bytes_per_tile")
+_constant("control_code_bytes_per_step", 16, "B per compute set per tile", "estimate",
+          "the control code a tile holds for each compute set it takes part in: the "
+          "sync, the supervisor's call of the compute set's vertex list and the "
+          "exchange's send/receive, about four 32-bit instructions. Identical ops "
+          "(same kind, shapes and mapping) share theirs, as PopART's outlining makes "
+          "repeated layers one Poplar function; a loop's body is held once",
+          field="control_code_bytes_per_step")
+
 #: constants a sensitivity analysis varies (the hardware figures are not
 #: uncertain enough to vary: tiles, clock, AMP rates, SRAM)
 VARIABLE = [name for name, c in REGISTRY.items() if c.kind != "hardware"

@@ -28,7 +28,7 @@ def _spatial(shape):
 
 
 def forward_conv(x_shape, w_shape, stride, padding, groups, item, partial):
-    from .conv_plan import Conv
+    from .conv_params import Conv
     batch = x_shape[0]
     h, w = _spatial(x_shape)
     kh, kw = _spatial(w_shape)
@@ -40,7 +40,7 @@ def forward_conv(x_shape, w_shape, stride, padding, groups, item, partial):
 
 def passes_of(op, item, partial):
     """The ``Conv`` passes of ``op`` (a list), or None."""
-    from .conv_plan import Conv
+    from .conv_params import Conv
     name = op.target.overloadpacket.__name__
     if name == "convolution":
         x, w = op.args[0], op.args[1]

@@ -21,7 +21,8 @@ reports (our notes: docs/cost_model.md):
 """
 import numpy as np
 
-from .conv_plan import WORKERS, cdiv
+from .conv_params import cdiv
+from .conv_vertices import WORKERS
 
 _SPLITS = np.array([1, 2, 4, 8, 16, 23, 32, 46, 64, 92, 128, 184, 256, 368, 512, 736, 1024, 1472])
 

@@ -50,7 +50,10 @@ class Target:
     streaming_bytes_per_s: float = _K.REGISTRY["streaming_bytes_per_s"].value
     ipus_per_machine: int = 4
     grain_bytes: int = 64       # smallest piece of a tensor mapped to one tile
-    code_bytes_per_tile: int = 24 * 1024   # control code and runtime, always live
+    # always-live code: the runtime on every tile, and control code per
+    # compute set a tile takes part in (passes/memory.py)
+    code_bytes_per_tile: int = int(_K.REGISTRY["code_bytes_per_tile"].value)
+    control_code_bytes_per_step: int = int(_K.REGISTRY["control_code_bytes_per_step"].value)
     # Tiles set aside for host IO (Options.TensorLocations.numIOTiles): they
     # are not counted in ``tiles``, which are the compute tiles.
     io_tiles: int = 0
@@ -97,7 +100,9 @@ MK1 = replace(MK2, name="Mk1", tiles=1216, bytes_per_tile=262_144, clock_hz=1.6e
 
 BOW = replace(MK2, name="Bow", clock_hz=1.85e9, link_bytes_per_s=64e9)
 
-TEST_IPU = replace(MK2, name="IPU-Test", tiles=4, code_bytes_per_tile=8 * 1024)
+# a 4-tile toy for tests: a flat 8 KiB of code per tile
+TEST_IPU = replace(MK2, name="IPU-Test", tiles=4, code_bytes_per_tile=8 * 1024,
+                   control_code_bytes_per_step=0)
 
 TARGETS = {"mk1": MK1, "ipu1": MK1, "mk2": MK2, "ipu2": MK2, "bow": BOW, "ipu21": BOW,
            "test": TEST_IPU, "small": TEST_IPU}

@@ -47,6 +47,7 @@ class MemoryReport:
     # target's control code per tile; variable -> role ("param", "input", ...).
     vertex_state: np.ndarray = None
     code_bytes_per_tile: int = 0
+    control_code: np.ndarray = None      # bytes per tile (``ControlCode``)
     # Tiles where an AMP vertex (a convolution's or matmul's plan) runs:
     # their data sits in the interleaved region, above the target's
     # ``interleaved_start`` (``including_gaps``).
@@ -80,9 +81,17 @@ class MemoryReport:
         total = self.total
         if self.interleaved is None or not self.interleaved_start:
             return total
-        code = self.code_bytes_per_tile + (0 if self.vertex_state is None else self.vertex_state)
+        code = self.code
         gapped = np.maximum(total, self.interleaved_start + total - code)
         return np.where(self.interleaved, gapped, total)
+
+    @property
+    def code(self):
+        """Bytes per tile of code and vertex state: the runtime, the control
+        code and the vertex state."""
+        return (self.code_bytes_per_tile
+                + (0 if self.vertex_state is None else self.vertex_state)
+                + (0 if self.control_code is None else self.control_code))
 
     @property
     def peak_tile(self):
@@ -130,47 +139,77 @@ def dtype_name(dtype):
     return str(dtype).replace("torch.", "")
 
 
-def _vertex_state(op, tiles):
-    """Vertex state ``op`` leaves on the tiles its results live on (none
-    for a host scalar: the host computes it, ``passes/host_scalars.py``)."""
+def _used_tiles(op, tiles):
+    """The tiles ``op`` runs on: those its results live on (none for a host
+    scalar: the host computes it, ``passes/host_scalars.py``)."""
     used = np.zeros(tiles, dtype=bool)
     if op.host_scalar:
-        return used * VERTEX_STATE_BYTES
+        return used
     for t in op.outputs:
         if t is not None and op.cost_class != "view":
             used |= t.mapping.bytes_per_tile(tiles) > 0
-    return used * VERTEX_STATE_BYTES
+    return used
 
 
-def _op_memory(op, cost, tiles, ipu):
-    """(temporary, always-live) bytes per tile of one op: its own temporary
-    buffers and vertex state, plus those of the sub-graphs it holds."""
-    temp, state = cost.temp_bytes, _vertex_state(op, tiles)
+class Code:
+    """Code and vertex state per tile, as ops are added: each op leaves
+    ``VERTEX_STATE_BYTES`` of vertex state and ``per_step`` bytes of control
+    code per compute set (its syncs, ``cost.sync / sync``) on the tiles it
+    runs on.  Identical ops share both, as PopART's outlining makes repeated
+    layers one Poplar function and a loop's body is held once: an op whose
+    kind, shapes and tiles were seen before adds nothing."""
+
+    def __init__(self, tiles, per_step, sync):
+        self.control = np.zeros(tiles, dtype=np.int64)
+        self.state = np.zeros(tiles, dtype=np.int64)
+        self.tiles, self.per_step, self.sync = tiles, per_step, sync
+        self.seen = set()
+
+    def add(self, op, cost, control=True):
+        """``control=False``: vertex state only (a loop or conditional, whose
+        sub-graphs' ops hold the control code)."""
+        used = _used_tiles(op, self.tiles)
+        if not used.any():
+            return
+        key = (str(op.target), op.cost_class,
+               tuple((tuple(t.shape), str(t.dtype)) for t in op.input_tensors()),
+               tuple((tuple(t.shape), str(t.dtype)) for t in op.outputs if t is not None),
+               np.packbits(used).tobytes())
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        self.state += used * VERTEX_STATE_BYTES
+        if control and self.per_step and self.sync and cost.sync:
+            self.control += used * int(round(cost.sync / self.sync)) * self.per_step
+
+
+def _op_memory(op, cost, tiles, ipu, code):
+    """Temporary bytes per tile of one op: its own temporary buffers, plus
+    the peak of the sub-graphs it holds; its vertex state and control code
+    go to ``code`` (a loop's body once, not per iteration)."""
+    temp = cost.temp_bytes
     if cost.parts:
-        body, nested = _subgraph_memory(op, cost, tiles, ipu)
-        temp, state = temp + body, state + nested
-    return temp, state
+        temp = temp + _subgraph_memory(op, cost, tiles, ipu, code)
+    code.add(op, cost, control=not cost.parts)
+    return temp
 
 
-def _subgraph_memory(op, cost, tiles, ipu):
-    """(temporary, always-live) bytes per tile of a loop's body or a
-    conditional's branches: while it runs, the op holds the peak of a
-    sub-graph's own live activations (its inputs and results belong to the
-    enclosing graph); every op of every sub-graph keeps its vertex state
-    (both branches of a conditional are on the tiles)."""
+def _subgraph_memory(op, cost, tiles, ipu, code):
+    """Temporary bytes per tile of a loop's body or a conditional's
+    branches: while it runs, the op holds the peak of a sub-graph's own live
+    activations (its inputs and results belong to the enclosing graph);
+    every op of every sub-graph keeps its vertex state and code (both
+    branches of a conditional are on the tiles)."""
     temp = np.zeros(tiles)
-    state = np.zeros(tiles, dtype=np.int64)
     for name, sub in op.subgraphs.items():
         parts = cost.parts[name]
         temps = np.zeros((len(sub.ops), tiles))
         for k, (inner, c) in enumerate(zip(sub.ops, parts)):
-            temp_k, state_k = _op_memory(inner, c, tiles, ipu)
-            temps[k] += temp_k
-            state += state_k
+            temps[k] += _op_memory(inner, c, tiles, ipu, code)
         usage = live_usage(sub, tiles, temps, ipu)[0]
         if len(usage):
             temp = np.maximum(temp, usage.max(axis=0))
-    return temp, state
+    return temp
 
 
 def plan_memory(program, variables, target, costs, ipu=0, locations=None, shared=None):
@@ -217,9 +256,9 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None, shared
             by_tensor[name] = share.astype(np.int64)
         saved[name] = (full - (0 if loc.off_chip else share)).astype(np.int64)
     always = np.full(tiles, target.code_bytes_per_tile, dtype=np.int64)
+    code = Code(tiles, target.control_code_bytes_per_step, target.sync_cycles)
     for v in by_tensor.values():
         always += v
-    vertex_state = np.zeros(tiles, dtype=np.int64)
     interleaved = np.zeros(tiles, dtype=bool)
     peak = np.zeros(tiles, dtype=np.int64)
     plain = peak.copy()               # the peak without recomputation
@@ -232,9 +271,7 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None, shared
         for k, (op, cost) in enumerate(zip(graph.ops, costs[graph.name])):
             if op.ipu != ipu:
                 continue
-            temp_k, state_k = _op_memory(op, cost, tiles, ipu)
-            temps.add(k, temp_k)
-            vertex_state += state_k
+            temps.add(k, _op_memory(op, cost, tiles, ipu, code))
             if cost.plan:
                 interleaved |= np.asarray(cost.temp_bytes) > 0
         # off-chip variables this graph loads
@@ -259,7 +296,8 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None, shared
             plain = np.maximum(plain, usage.max(axis=0).astype(np.int64))
         if len(usage):
             peak = np.maximum(peak, usage.max(axis=0).astype(np.int64))
-    always += vertex_state
+    vertex_state = code.state
+    always += code.state + code.control
     return MemoryReport(target.bytes_per_tile, always, peak, by_tensor, graphs, ipu,
                         saved, streaming,
                         {name: dtype_name(variables[name].dtype) for name in by_tensor},
@@ -268,6 +306,7 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None, shared
                             plain if recomputed_ops else None),
                         vertex_state=vertex_state,
                         code_bytes_per_tile=target.code_bytes_per_tile,
+                        control_code=code.control,
                         interleaved=interleaved, interleaved_start=target.interleaved_start,
                         roles={name: variables[name].role for name in by_tensor})
 

@@ -142,6 +142,8 @@ def memory_categories(r, peak):
     hold is marked ``modelled: False`` with no bytes."""
     tiles = len(r.total)
     code = np.full(tiles, r.code_bytes_per_tile, dtype=np.int64)
+    if getattr(r, "control_code", None) is not None:
+        code = code + r.control_code
     state = r.vertex_state if r.vertex_state is not None else np.zeros(tiles, np.int64)
     variables = np.zeros(tiles, dtype=np.int64)
     streams = np.zeros(tiles, dtype=np.int64)
@@ -151,8 +153,10 @@ def memory_categories(r, peak):
         else:
             variables += np.asarray(per_tile, dtype=np.int64)
     out = {
-        "code": _category(code, peak, "control code and runtime: the target's "
-                                      "code_bytes_per_tile on every tile"),
+        "code": _category(code, peak, "runtime and control code: the target's "
+                                      "code_bytes_per_tile on every tile, and "
+                                      "control_code_bytes_per_step for each compute set "
+                                      "a tile takes part in (identical ops share theirs)"),
         "vertex_state": _category(state, peak, "48 B per op on each tile its results "
                                                "live on"),
         "variables": _category(variables, peak, "always-live: weights, buffers, optimizer "

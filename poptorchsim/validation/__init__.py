@@ -27,6 +27,17 @@ COMPILES_CODE = ("single_conv_layer", "general_matrix_multiply", "embedding_laye
 KINDS = ("conv", "depthwise", "fc", "gemm", "lstm", "gru", "pool", "reduce", "embedding")
 
 
+# Rows whose cycles stay beyond 2x of Poplar's, each with its reason (the
+# issue's bar: no row beyond 2x, or each such row named with its reason)
+OUTLIERS = {
+    "fc_layer_4_1000_1000_half":
+        "Poplar's own figure is out of line with its neighbours: batch 1, 8 and 16 of "
+        "the same layer take 12,185, 16,968 and 19,538 cycles, batch 4 takes 25,657 "
+        "(the plan its planner picked for this one shape); ours, 11,352, is in line "
+        "with the others",
+}
+
+
 def reference():
     """The reference table: {"source": ..., "rows": [...]}."""
     with open(DATA) as f:
@@ -92,6 +103,7 @@ def compare(rows=None, progress=False):
     out = []
     for r in tqdm(table, desc="Poplar layers", disable=not progress, leave=False):
         cycles, total, max_tile, note = measure_row(r)
+        note = "; ".join(n for n in (note, OUTLIERS.get(r["name"], "")) if n)
         out.append(Row(r["name"], kind_of(r), r["cycles"], cycles, r["total_memory"], total,
                        r["max_tile_memory"], max_tile, note))
     return out

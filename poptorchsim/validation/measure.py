@@ -64,8 +64,8 @@ def layer_cycles(compiled, layer):
 def memory_figures(compiled, code=True):
     """(total bytes over the tiles, the fullest tile's bytes including gaps)
     as PopVision's memory report counts them: always-live plus the peak of
-    not-always-live.  ``code=False``: without the control code and vertex
-    code, for a reference compiled without IPU code (its figures count none).
+    not-always-live.  ``code=False``: without the runtime and control code,
+    for a reference compiled without IPU code (its figures count none).
 
     The tools hold what the layer needs and nothing of PopTorch's optimizer:
     they update weights in place (conv, fc) or return the gradients (LSTM,
@@ -85,13 +85,12 @@ def memory_figures(compiled, code=True):
         if name != "optimizer_update" and len(usage):
             peak = np.maximum(peak, np.asarray(usage).max(axis=0))
     total = always + peak
-    code_bytes = report.code_bytes_per_tile + (0 if report.vertex_state is None
-                                               else report.vertex_state)
+    code_bytes = report.code
     interleaved = (report.interleaved if report.interleaved is not None
                    else np.zeros(tiles, dtype=bool))
     # a tile with AMP work is counted from the interleaved region's start
     # (the region below holds its code), code or not; another holds its bytes
     gapped = np.maximum(total, report.interleaved_start + total - code_bytes)
-    per_tile = total if code else total - report.code_bytes_per_tile
+    per_tile = total if code else total - report.code_bytes_per_tile - report.control_code
     gaps = np.where(interleaved, gapped, per_tile)
     return float(per_tile.sum()), float(np.max(gaps))

@@ -201,3 +201,39 @@ def test_norm_only_recomputes_no_matmul():
     _, step = _three_layers((0, 0, 1))
     assert not recompute.plan(step, recompute.NORM_ONLY, pipelined=True)
     assert _recomputed(step) == []
+
+
+# -- code and vertex state --------------------------------------------------------------
+def _code_of(program, per_step=16):
+    """``passes.memory.Code`` after adding the training step's ops, each
+    costing two compute sets."""
+    from dataclasses import replace as _replace
+
+    from poptorchsim.estimate.cost import OpCost
+    from poptorchsim.passes.memory import Code
+    target = _replace(TEST_IPU, control_code_bytes_per_step=per_step)
+    code = Code(target.tiles, target.control_code_bytes_per_step, target.sync_cycles)
+    step = program.graphs["training_step"]
+    for op in step.ops:
+        code.add(op, OpCost(sync=2 * target.sync_cycles))
+    return code, step
+
+
+def test_identical_ops_share_their_code_and_vertex_state():
+    """PopART's outlining makes repeated layers one function: three identical
+    layers, mapped alike, hold the code and vertex state of one."""
+    one, _ = _code_of(training_program(n_layers=1, width=64, batch=8))
+    three, step = _code_of(training_program(n_layers=3, width=64, batch=8))
+    mms = [op for op in step.ops if op.name.endswith("/mm")]
+    assert len({tuple(op.outputs[0].mapping.bytes_per_tile(4)) for op in mms}) == 1
+    # (the later layers' input gradient is an mm of the forward's shapes too)
+    assert one.control.any() and np.array_equal(three.control, one.control)
+    assert one.state.any() and np.array_equal(three.state, one.state)
+
+
+def test_control_code_is_per_compute_set_on_the_tiles_an_op_runs_on():
+    code, step = _code_of(training_program(n_layers=1, width=64, batch=8), per_step=10)
+    unique = len(code.seen)
+    assert unique and code.control.max() <= unique * 2 * 10
+    none, _ = _code_of(training_program(n_layers=1, width=64, batch=8), per_step=0)
+    assert not none.control.any() and np.array_equal(none.state, code.state)
