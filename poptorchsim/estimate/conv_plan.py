@@ -150,14 +150,20 @@ def _evaluate(c, tiles, limit, serial, sync, coeff, memcpy):
     out = []
     cout = cdiv(c.cout, serial)
     gs, fs, is_, os_ = _candidates(replace(c, cout=cout), tiles)
-    # the field split cuts rows first, then columns
-    rows_t = cdiv(c.rows, np.minimum(fs, c.rows))
-    cols_t = cdiv(c.cols, np.maximum(1, cdiv(fs, c.rows)))
+    # the field split cuts rows first, then columns, or columns first,
+    # whichever leaves a tile the smaller input (the less halo)
+    def field(rows_t, cols_t):
+        in_rows_t = np.minimum(c.in_rows or c.rows, (rows_t - 1) * c.stride + c.kh)
+        in_cols_t = np.minimum(c.in_cols or c.cols, (cols_t - 1) * c.stride + c.kw)
+        return rows_t, cols_t, in_rows_t * in_cols_t
+    by_rows = field(cdiv(c.rows, np.minimum(fs, c.rows)),
+                    cdiv(c.cols, np.maximum(1, cdiv(fs, c.rows))))
+    by_cols = field(cdiv(c.rows, np.maximum(1, cdiv(fs, c.cols))),
+                    cdiv(c.cols, np.minimum(fs, c.cols)))
+    cols_first = by_cols[2] < by_rows[2]
+    rows_t, cols_t, in_pos_t = (np.where(cols_first, b, a) for a, b in zip(by_rows, by_cols))
     n = rows_t * cols_t
     gt = cdiv(c.groups, gs)
-    in_rows_t = np.minimum(c.in_rows or c.rows, (rows_t - 1) * c.stride + c.kh)
-    in_cols_t = np.minimum(c.in_cols or c.cols, (cols_t - 1) * c.stride + c.kw)
-    in_pos_t = in_rows_t * in_cols_t
     if c.pass_name == "bwd" and c.in_elems:
         # an input gradient's input is the output gradient padded by the
         # kernel less one: the padding is not stored, so a tile holds at most
