@@ -2,7 +2,8 @@
 
 Always-live memory holds the device variables (weights, buffers, optimizer
 state, gradient accumulators, hyperparameters, constants), the input stream
-buffers, control code and the vertex state of every op on the tiles it uses.
+buffers, the runtime code, and the control code and vertex state of every
+op on the tiles it uses (identical ops share theirs: ``Code``).
 Not-always-live memory holds each graph's intermediate tensors from the op
 that makes them to their last use, plus each op's temporary operand buffers;
 graphs run one after another, so the program's peak is the largest graph
@@ -42,12 +43,13 @@ class MemoryReport:
     not_always_live_without_recomputation: np.ndarray = None
     # every IPU's report, on IPU 0's (runtime/compiler.py sets it)
     ipus: list = field(default_factory=list)
-    # The parts of ``always_live`` besides the variables: vertex state
-    # (``VERTEX_STATE_BYTES`` per op on each tile it runs on) and the
-    # target's control code per tile; variable -> role ("param", "input", ...).
+    # The parts of ``always_live`` besides the variables (``Code``): vertex
+    # state (``VERTEX_STATE_BYTES`` per distinct op on each tile it runs on),
+    # the target's runtime code on every tile and the control code per tile;
+    # variable -> role ("param", "input", ...).
     vertex_state: np.ndarray = None
     code_bytes_per_tile: int = 0
-    control_code: np.ndarray = None      # bytes per tile (``ControlCode``)
+    control_code: np.ndarray = None
     # Tiles where an AMP vertex (a convolution's or matmul's plan) runs:
     # their data sits in the interleaved region, above the target's
     # ``interleaved_start`` (``including_gaps``).

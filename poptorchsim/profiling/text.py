@@ -73,7 +73,7 @@ CATEGORIES = (("code", "code"), ("vertex_state", "vertex state"),
 
 
 def category_line(ipu):
-    """The IPU's peak tile split by category ("code 24 KiB, vertex state
+    """The IPU's peak tile split by category ("code 5.05 KiB, vertex state
     144 B, ..., exchange buffers not modelled")."""
     cats = ipu.get("categories") or {}
     parts = []

@@ -212,8 +212,9 @@ def main():
     training_model.destroy()
     print(f"by hand: weights, gradients and Adam's 2 moments = 4 x {n_params / 1e6:.1f} M x "
           f"4 B = {16 * n_params / 2**20:.0f} MiB,")
-    print(f"  plus 24 KiB of code on each of 1216 tiles = {1216 * 24 / 1024:.0f} MiB: more "
-          f"than the {1216 * 256 / 1024:.0f} MiB of a Mk1 before any activation")
+    print(f"  {16 * n_params / 1216 / 1024:.0f} KiB on each of 1216 tiles of 256 KiB: the "
+          f"tiles are {16 * n_params / (1216 * 256 * 1024):.0%} full before any code, "
+          f"activation or temporary buffer")
 
     split_over_4_ipus(model)        # BeginBlock(model.layers[2 * i], f"block{i}", ipu_id=i)
     print("poptorch.BeginBlock(model.layers[2 * i], f'block{i}', ipu_id=i) for i in 0..3:")
