@@ -156,10 +156,9 @@ def _evaluate(c, tiles, limit, serial, sync, coeff, memcpy):
         in_rows_t = np.minimum(c.in_rows or c.rows, (rows_t - 1) * c.stride + c.kh)
         in_cols_t = np.minimum(c.in_cols or c.cols, (cols_t - 1) * c.stride + c.kw)
         return rows_t, cols_t, in_rows_t * in_cols_t
-    by_rows = field(cdiv(c.rows, np.minimum(fs, c.rows)),
-                    cdiv(c.cols, np.maximum(1, cdiv(fs, c.rows))))
-    by_cols = field(cdiv(c.rows, np.maximum(1, cdiv(fs, c.cols))),
-                    cdiv(c.cols, np.minimum(fs, c.cols)))
+    rows, cols = max(c.rows, 1), max(c.cols, 1)      # an empty product still plans
+    by_rows = field(cdiv(c.rows, np.minimum(fs, rows)), cdiv(c.cols, np.maximum(1, cdiv(fs, rows))))
+    by_cols = field(cdiv(c.rows, np.maximum(1, cdiv(fs, cols))), cdiv(c.cols, np.minimum(fs, cols)))
     cols_first = by_cols[2] < by_rows[2]
     rows_t, cols_t, in_pos_t = (np.where(cols_first, b, a) for a, b in zip(by_rows, by_cols))
     n = rows_t * cols_t
