@@ -163,10 +163,10 @@ def run(name, out_dir=None):
     gc, best = result.find(theirs), result.best
     row = {"model": name, "configurations": len(result.results), "seconds": seconds,
            "seconds_per_configuration": seconds / len(result.results),
-           "graphcore": theirs.describe(result.repeated), "graphcore_fits": gc.fits,
+           "graphcore": theirs.describe(result.repeated, result.units), "graphcore_fits": gc.fits,
            "graphcore_samples_per_s": gc.samples_per_second, "graphcore_reason": gc.reason,
            "graphcore_peak_kib": [p // 1024 for p in gc.peak_tile],
-           "best": best.config.describe(result.repeated) if best else None,
+           "best": best.config.describe(result.repeated, result.units) if best else None,
            "best_samples_per_s": best.samples_per_second if best else 0.0,
            "best_peak_kib": [p // 1024 for p in best.peak_tile] if best else [],
            "fitting": len(result.fitting)}

@@ -253,3 +253,15 @@ def test_suggest_split_plans_training_programs_only():
     model = Stack()
     with pytest.raises(poptorch.Error, match="pass training=True"):
         poptorch.suggest_split(model, 2, *_inputs(), training=False)
+
+
+def test_a_configuration_names_where_the_units_outside_the_layers_sit():
+    """``layers [..]`` counts the repeated layers only: two splits that put
+    the head on different IPUs must not print alike."""
+    units = [f"layers.{i}" for i in range(4)] + ["head"]
+    repeated = {0, 1, 2, 3}
+    last, first = (Configuration(4, (0, 0, 1, 1, ipu), 2, 8) for ipu in (1, 0))
+    assert last.describe(repeated, units) != first.describe(repeated, units)
+    assert "layers [2, 2], head on IPU 1," in last.describe(repeated, units)
+    assert "layers [2, 2], head on IPU 0," in first.describe(repeated, units)
+    assert "head" not in last.describe(repeated)          # no names, no mention

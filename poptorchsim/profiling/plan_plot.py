@@ -24,7 +24,8 @@ def plot_plan(result, path):
         b = result.best
         ax.scatter([100 * b.headroom], [b.samples_per_second], marker="o", s=160,
                    facecolor="none", edgecolor="black", label="best")
-        fig.text(0.01, 0.01, textwrap.fill("best: " + b.config.describe(result.repeated), 110),
+        best = b.config.describe(result.repeated, result.units)
+        fig.text(0.01, 0.01, textwrap.fill("best: " + best, 110),
                  fontsize=7, va="bottom")
     ax.axvline(0, color="grey", lw=0.8)
     ax.set_xlabel("memory headroom of the fullest tile (%)")

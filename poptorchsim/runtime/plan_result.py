@@ -38,8 +38,18 @@ class Configuration:
                 counts[ipu] += 1
         return counts
 
-    def describe(self, repeated=None):
+    def describe(self, repeated=None, units=None):
+        """One line; ``units`` (the unit names): where the units outside
+        ``repeated`` sit too, since ``layers [..]`` counts only the repeated
+        ones and two splits may differ only there."""
         split = f", layers {self.layers_per_ipu(repeated)}" if self.ipus_per_replica > 1 else ""
+        if split and repeated and units:
+            others = {}
+            for i, ipu in enumerate(self.ipu_of_unit):
+                if i not in repeated:
+                    others.setdefault(ipu, []).append(units[i])
+            split += "".join(f", {', '.join(names)} on IPU {ipu}"
+                             for ipu, names in sorted(others.items()))
         return (f"{self.ipus_per_replica} IPU{'s' if self.ipus_per_replica > 1 else ''} x "
                 f"{self.replicas} replica{'s' if self.replicas > 1 else ''}{split}, "
                 f"micro-batch {self.micro_batch}, accumulation {self.accumulation}, "
@@ -106,12 +116,12 @@ class PlanResult:
         for k, r in enumerate(self.fitting[:limit]):
             peaks = ", ".join(f"{p / 1024:.0f}" for p in r.peak_tile)
             lines.append(f"{k + 1:>4} {r.samples_per_second:>10.1f} {r.headroom:>8.1%}  "
-                         f"{peaks:<28} {r.config.describe(self.repeated)}")
+                         f"{peaks:<28} {r.config.describe(self.repeated, self.units)}")
         bad = [r for r in self.results if not r.fits]
         if bad:
             lines.append(f"rejected ({len(bad)}), for example:")
             for r in bad[:rejected]:
-                lines.append(f"     {r.config.describe(self.repeated)}: "
+                lines.append(f"     {r.config.describe(self.repeated, self.units)}: "
                              + r.reason.splitlines()[0])
         return "\n".join(lines)
 
