@@ -200,3 +200,24 @@ def test_an_input_gradient_with_one_channel_folds_its_columns_into_channels():
     # a convolution whose input is wider than its kernel has no such candidate
     assert not Conv.forward(1, 4, 16, 16, 56, 56, 3, 3, 1, 1, 1, 2, 4) \
         .input_grad(4, 56, 56).flat_batch
+
+
+def test_the_horizontal_mac_is_a_candidate_for_every_convolution():
+    """A depthwise layer's weight update reduces over thousands of positions
+    to one output channel per group: the horizontal MAC, not an AMP unit
+    padding that channel to 8 (ConvVertexType.cpp offers it for any
+    convolution)."""
+    from poptorchsim.estimate.conv_plan import Conv, plan
+    wu = Conv.forward(128, 4, 1, 1, 56, 56, 3, 3, 2, 1, 1, 2, 4).weight_grad()
+    assert wu.cin >= 16
+    assert plan(wu, 1472, 0.6 * 638_976, 150).vertex == "HMAC"
+
+
+def test_the_field_is_split_where_it_leaves_a_tile_less_halo():
+    """conv_5x200's input gradient, its columns folded into channels, has 15
+    rows under a 5-row kernel and 1,440 columns: split by rows, each tile
+    would hold five times its input rows."""
+    from poptorchsim.estimate.conv_plan import Conv, plan
+    bwd = Conv.forward(1, 1440, 1, 100, 15, 200, 5, 200, 1, 0, 0, 2, 4).input_grad(1440, 15, 200)
+    p = plan(bwd.out_flattened(), 1472, 0.6 * 638_976, 150)
+    assert p.live_bytes < 200_000, p.describe()

@@ -80,11 +80,14 @@ class MemoryReport:
         tile where an AMP vertex runs, the data above the interleaved
         region's start (the non-interleaved region below holds code and
         vertex state; the rest of it is a gap)."""
-        total = self.total
+        return self.with_gaps(self.total)
+
+    def with_gaps(self, total):
+        """``total`` (bytes per tile) counted as ``including_gaps`` counts
+        this report's own."""
         if self.interleaved is None or not self.interleaved_start:
             return total
-        code = self.code
-        gapped = np.maximum(total, self.interleaved_start + total - code)
+        gapped = np.maximum(total, self.interleaved_start + total - self.code)
         return np.where(self.interleaved, gapped, total)
 
     @property

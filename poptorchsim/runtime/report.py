@@ -141,9 +141,8 @@ def memory_categories(r, peak):
     buffers) and the not-always-live peak; a category the model does not
     hold is marked ``modelled: False`` with no bytes."""
     tiles = len(r.total)
-    code = np.full(tiles, r.code_bytes_per_tile, dtype=np.int64)
-    if getattr(r, "control_code", None) is not None:
-        code = code + r.control_code
+    code = r.code_bytes_per_tile + (0 if r.control_code is None else r.control_code)
+    code = np.broadcast_to(np.asarray(code, dtype=np.int64), (tiles,))
     state = r.vertex_state if r.vertex_state is not None else np.zeros(tiles, np.int64)
     variables = np.zeros(tiles, dtype=np.int64)
     streams = np.zeros(tiles, dtype=np.int64)
@@ -158,7 +157,7 @@ def memory_categories(r, peak):
                                       "control_code_bytes_per_step for each compute set "
                                       "a tile takes part in (identical ops share theirs)"),
         "vertex_state": _category(state, peak, "48 B per op on each tile its results "
-                                               "live on"),
+                                               "live on (identical ops share theirs)"),
         "variables": _category(variables, peak, "always-live: weights, buffers, optimizer "
                                                 "state, accumulators, hyperparameters"),
         "stream_buffers": _category(streams, peak, "always-live: input stream buffers "

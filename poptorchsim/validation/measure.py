@@ -85,12 +85,10 @@ def memory_figures(compiled, code=True):
         if name != "optimizer_update" and len(usage):
             peak = np.maximum(peak, np.asarray(usage).max(axis=0))
     total = always + peak
-    code_bytes = report.code
-    interleaved = (report.interleaved if report.interleaved is not None
-                   else np.zeros(tiles, dtype=bool))
+    per_tile = total if code else total - report.code_bytes_per_tile - report.control_code
     # a tile with AMP work is counted from the interleaved region's start
     # (the region below holds its code), code or not; another holds its bytes
-    gapped = np.maximum(total, report.interleaved_start + total - code_bytes)
-    per_tile = total if code else total - report.code_bytes_per_tile - report.control_code
-    gaps = np.where(interleaved, gapped, per_tile)
+    gaps = report.with_gaps(total)
+    if report.interleaved is not None:
+        gaps = np.where(report.interleaved, gaps, per_tile)
     return float(per_tile.sum()), float(np.max(gaps))
