@@ -108,3 +108,18 @@ class HalfFloatCastingBehavior(enum.IntEnum):
     FloatDowncastToHalf = 0
     HalfUpcastToFloat = 1
     Default = 2
+
+
+class RandomStreams(enum.Enum):
+    """Where random ops draw from on the host (``Options.randomStreams``;
+    poptorchsim's own).  ``PerMicroBatch`` (the default): a counter-based
+    stream per replica, micro-batch and op, as the IPU seeds its generators
+    from ``randomSeed``; the numbers do not depend on the order micro-batches
+    run in, so programs with dropout batch them.  ``Eager``: PyTorch's
+    global generator, drawn in eager order (the same dropout masks as plain
+    PyTorch under the same ``torch.manual_seed``; micro-batches then run
+    one after another).  The environment variable
+    ``POPTORCHSIM_RANDOM_STREAMS=eager`` chooses ``Eager`` for an
+    unchanged program."""
+    PerMicroBatch = "counter"
+    Eager = "eager"

@@ -161,6 +161,21 @@ class Options(_CompilerOptions, _OptionsDict):
         torch.manual_seed(random_seed)
         return self.createOrSet(random_seed=random_seed)
 
+    def randomStreams(self, mode):
+        """poptorchsim's own: where random ops (dropout, ``torch.rand`` ...)
+        draw on the host.  ``RandomStreams.PerMicroBatch`` (the default):
+        counter-based streams keyed by ``randomSeed``, replica, micro-batch
+        and op, the same numbers however the micro-batches are scheduled;
+        ``RandomStreams.Eager``: PyTorch's generator in eager order, which
+        matches plain PyTorch's dropout bit for bit (micro-batches then run
+        one after another).  ``docs/precision.md``."""
+        if isinstance(mode, str):
+            mode = enums.RandomStreams(mode)
+        if not isinstance(mode, enums.RandomStreams):
+            raise ValueError(f"randomStreams: {mode!r} is not a poptorchsim.RandomStreams "
+                             "(PerMicroBatch or Eager)")
+        return self.createOrSet(random_streams=mode.value)
+
     def useIpuModel(self, use_model):
         """Kept for PopTorch programs: poptorchsim always simulates."""
         return self.createOrSet(use_model=bool(use_model))

@@ -94,16 +94,66 @@ def test_batched_equals_serial_within_fp32_rounding(extra):
 
 
 @pytest.mark.parametrize("extra, configure, dtype, reason", [
-    (nn.Dropout(0.5), None, torch.float32, "random"),
+    # dropout drawn from PyTorch's generator, in eager order
+    (nn.Dropout(0.5), lambda o: o.randomStreams(poptorch.RandomStreams.Eager), torch.float32,
+     "random"),
     (EvalNorm(16), None, torch.float32, "reads its buffers"),
-    (None, lambda o: o.Precision.enableStochasticRounding(True), torch.float16,
-     "stochastic rounding"),
 ])
 def test_programs_that_need_the_serial_order_keep_it(extra, configure, dtype, reason):
     tm, _, _, calls = _train(True, extra, calls=1, configure=configure, dtype=dtype)
     step = tm.getIR().graphs["training_step"]
     assert reason in serial_reason(step)
     assert tm._engine.batch_fn is None and calls == []
+
+
+def _identical(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_dropout_batches_with_the_serial_order_masks():
+    """Each micro-batch draws its dropout mask from its own stream (seed,
+    replica, micro-batch, op): batched and serial runs drop the same units,
+    so they agree within fp32 rounding, and the masks differ between
+    micro-batches and replicas."""
+    _, serial_outs, serial_weights, none = _train(False, nn.Dropout(0.5))
+    tm, outs, weights, calls = _train(True, nn.Dropout(0.5))
+    assert serial_reason(tm.getIR().graphs["training_step"]) is None
+    assert none == [] and calls == [GA * RF] * (DI * 2)
+    for a, b in zip(serial_outs, outs):
+        for p, q in zip(a, b):
+            torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
+            if p.dtype.is_floating_point and p.dim() > 1:
+                # the dropped units are zero alike
+                assert torch.equal((p == 0), (q == 0))
+    for p, q in zip(serial_weights, weights):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+    # the per-micro-batch outputs: half of the hidden units dropped, and in
+    # another pattern in every micro-batch
+    logits = outs[0][0].reshape(DI * GA * RF, MICRO, 5)
+    assert not torch.equal(logits[0], logits[1])
+
+
+def test_fp16_with_dropout_and_stochastic_rounding_batches_bit_for_bit():
+    """An fp16 program with dropout and stochastic rounding: its micro-batches
+    batch, and give the serial order's results bit for bit (every random
+    number is keyed by micro-batch and op, not drawn in order)."""
+    sr = lambda o: o.Precision.enableStochasticRounding(True)     # noqa: E731
+    _, serial_outs, serial_weights, _ = _train(False, nn.Dropout(0.3), configure=sr,
+                                               dtype=torch.float16)
+    tm, outs, weights, calls = _train(True, nn.Dropout(0.3), configure=sr, dtype=torch.float16)
+    assert serial_reason(tm.getIR().graphs["training_step"]) is None
+    assert sum(calls) >= 2 * DI * GA * RF - 2    # (the watch counts a micro-batch alone)
+    for a, b in zip(serial_outs, outs):
+        assert _identical(a, b)
+    assert _identical(serial_weights, weights)
+
+
+def test_random_streams_repeat_from_the_seed_and_differ_between_seeds():
+    seeded = lambda s: (lambda o: o.randomSeed(s))     # noqa: E731
+    a = _train(True, nn.Dropout(0.5), configure=seeded(3))[2]
+    b = _train(True, nn.Dropout(0.5), configure=seeded(3))[2]
+    c = _train(True, nn.Dropout(0.5), configure=seeded(4))[2]
+    assert _identical(a, b) and not _identical(a, c)
 
 
 def test_anchored_steps_run_serially():

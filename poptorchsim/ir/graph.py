@@ -154,6 +154,7 @@ class Graph:
     statistics_outputs: int = 0              # trailing outputs: automatic loss scaling's statistics
     watch: Any = None                        # machine.precision.GradientWatch (fp16 gradients)
     rounding: Any = None                     # machine.precision.Rounding (stochastic rounding)
+    streams: Any = None                      # machine.streams.Streams (random numbers)
     floating_point_checks: bool = False      # enableFloatingPointExceptions
 
     def new_tensor(self, name, shape, dtype, role="activation", producer=None, value=None):

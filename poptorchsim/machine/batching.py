@@ -24,6 +24,7 @@ import torch
 
 from ..ir.graph import Graph, Tensor
 from .codegen import compile_graph
+from .streams import draws
 
 aten = torch.ops.aten
 
@@ -145,16 +146,23 @@ def buffer_split(graph):
 def serial_reason(graph):
     """Why ``graph`` (a training step) must run its micro-batches one after
     another, or None when they may run as one batched call: random ops
-    (each micro-batch draws its own numbers, in order), host ops and custom
+    drawing from PyTorch's generator in eager order (``RandomStreams.Eager``,
+    or an op the counter-based streams do not draw for; those of
+    ``streams.Streams`` draw per micro-batch and batch), host ops and custom
     ops, loops and conditionals, buffers the step's other outputs read,
-    model inputs it writes, stochastic rounding (its draws are made in
-    order), floating-point checks and automatic loss scaling's statistics.
+    model inputs it writes, floating-point checks and automatic loss
+    scaling's statistics.  Stochastic rounding reads the micro-batch's
+    stream, and batches.
     fp16 programs batch: the gradient watch counts the first micro-batch
     of a call, which the engine runs on its own first."""
+    streams = graph.streams
     for op in graph.ops:
+        if op.cost_class == "random" and (not draws(op) or (streams is not None
+                                                             and streams.handles(op))):
+            continue            # drawn from the micro-batch's own stream, or nothing drawn
         if op.cost_class in _SERIAL_CLASSES or op.subgraphs:
             return f"{op.cost_class} op {op.name}"
-    if graph.rounding is not None:
+    if graph.rounding is not None and streams is None:
         return "stochastic rounding"
     if graph.floating_point_checks:
         return "floating-point checks"
@@ -356,11 +364,13 @@ class _WeightGrad:
 
 
 def batched_graph(graph, summed=None, per_row=False):
-    """``f(shared, batched, extra) -> outputs stacked along a new first dim``:
-    ``graph`` run once per row of the ``batched`` inputs (``torch.func.vmap``
-    over the graph's function, compiled without in-place writes, which vmap
-    cannot take into shared tensors); ``shared`` (weights, buffers) and
-    ``extra`` (trailing inputs) are the same for every row.
+    """``f(shared, batched, extra, keys) -> outputs stacked along a new first
+    dim``: ``graph`` run once per row of the ``batched`` inputs
+    (``torch.func.vmap`` over the graph's function, compiled without
+    in-place writes, which vmap cannot take into shared tensors); ``shared``
+    (weights, buffers) and ``extra`` (trailing inputs) are the same for
+    every row; ``keys`` (one row per micro-batch: ``Streams.key_of``) key
+    the random numbers each row draws, as in the serial order.
 
     ``summed``: (start, stop) of the outputs the caller only sums over the
     rows (the gradients); of those, convolution weight gradients come back
@@ -374,15 +384,32 @@ def batched_graph(graph, summed=None, per_row=False):
     of one micro-batch; ``f.tail`` is None otherwise."""
     split = buffer_split(graph)[0] if _writes_buffers(graph) else None
     head = split.head if split else graph
+    if graph.rounding is not None:
+        summed = None       # each gradient rounds stochastically in its own op, as serially
     head, deferred, slots = _defer_weight_grads(_batch_norm_by_rows(head), summed)
     n_head = len(head.outputs) - 2 * len(deferred)
     fn = compile_graph(head, in_place=False)
     position = {t.id: k for k, t in enumerate(graph.inputs)}
     weight_grads = [_WeightGrad(op, per_row) for op in deferred]
 
-    def run(shared, batched, extra):
-        outs = torch.func.vmap(lambda *rows: fn(list(shared) + list(rows) + list(extra)))(
-            *batched)
+    streams = graph.streams
+
+    def run(shared, batched, extra, keys=None):
+        keyed = streams is not None and keys is not None
+
+        def one(*rows):
+            if keyed:               # the last row is the micro-batch's random key
+                streams.key, streams.batched = rows[-1], True
+                rows = rows[:-1]
+            return fn(list(shared) + list(rows) + list(extra))
+        if keyed:
+            streams.pool(None)      # drawn before the batched call (vmap draws nothing)
+            batched = list(batched) + [keys]
+        try:
+            outs = torch.func.vmap(one)(*batched)
+        finally:
+            if keyed:
+                streams.key, streams.batched = keys[-1], False
         if not deferred:
             return outs
         sums = []

@@ -14,6 +14,7 @@ from ..ir.graph import Tensor
 from .fp_checks import checked, make_check
 from .kernels import as_strided, kernel_for
 from .precision import host_kernel
+from .streams import loop_key, random_kernel
 
 _SIMPLE = (int, float, bool, str, type(None))
 aten = torch.ops.aten
@@ -66,11 +67,20 @@ def _aliases(target):
     return bool(schema) and any(r.alias_info is not None for r in schema.returns)
 
 
-def run_loop(count, body, carried, read):
+def run_loop(count, body, carried, read, streams=None):
     """A loop op: ``body`` (a compiled graph) ``count`` times over the carried
-    values; ``read``: the enclosing graph's tensors the body reads."""
-    for _ in range(count):
-        carried = body(carried + read)
+    values; ``read``: the enclosing graph's tensors the body reads.  Each
+    iteration draws its own random numbers: ``streams``' key is mixed with
+    the iteration's index while it runs."""
+    outer = streams.key if streams is not None else None
+    try:
+        for k in range(count):
+            if streams is not None:
+                streams.key = loop_key(outer, k)
+            carried = body(carried + read)
+    finally:
+        if streams is not None:
+            streams.key = outer
     return carried
 
 
@@ -86,7 +96,7 @@ def run_cond(condition, then, orelse, then_reads, else_reads, taken):
 
 
 def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=None,
-                  in_place=True):
+                  in_place=True, streams=None):
     """A Python function ``f(list_of_inputs) -> list_of_outputs`` for ``graph``.
 
     Its ``branches`` attribute maps each conditional op's name (in sub-graphs
@@ -99,12 +109,16 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
     computing op's result is checked right after it runs and a
     floating-point exception raised as the IPU would (``fp_checks.py``); the
     ops then run out of place, so that an operand is still there to look at
-    and nothing the call was given is overwritten before the exception."""
+    and nothing the call was given is overwritten before the exception.
+    ``streams`` (default: the graph's ``streams``): the executable's
+    ``streams.Streams``; random ops it handles draw from it (keyed by the
+    micro-batch and the op), the others from PyTorch's generator."""
     branches = {} if branches is None else branches
     if fp_checks is None:
         fp_checks = graph.floating_point_checks
     rounding = rounding if rounding is not None else graph.rounding
     watch = watch if watch is not None else graph.watch
+    streams = streams if streams is not None else graph.streams
     glb = {}
     names = {}
     in_place = {} if fp_checks or not in_place else _in_place(graph)
@@ -156,10 +170,11 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
         if op.subgraphs:           # a loop or a conditional: its sub-graphs compiled
             for name, sub in op.subgraphs.items():
                 glb[f"{fn}_{name}"] = compile_graph(sub, branches, rounding, watch,
-                                                     fp_checks)
+                                                     fp_checks, streams=streams)
             if op.cost_class == "loop":
                 glb[fn] = run_loop
-                args = [repr(op.attrs["count"]), f"{fn}_body"] + args
+                glb[f"{fn}_streams"] = streams
+                args = [repr(op.attrs["count"]), f"{fn}_body"] + args + [f"{fn}_streams"]
             else:
                 glb[fn] = run_cond
                 glb[f"{fn}_taken"] = branches.setdefault(op.name, [0, 0])
@@ -167,6 +182,8 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
         elif op.target in (aten.as_strided.default, aten.as_strided_.default):
             glb[fn] = as_strided
             args.append(f"traced={const(op.traced_layout)}")
+        elif op.cost_class == "random" and streams is not None and streams.handles(op):
+            glb[fn] = random_kernel(op, streams)
         else:
             glb[fn] = host_kernel(op, kernel_for(kernel, op_args, op.kwargs), rounding, into)
             if watch is not None and op.watched:

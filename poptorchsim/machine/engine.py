@@ -169,6 +169,9 @@ class Engine:
         # (batching.batched_graph); None: one after another
         self.batch_fn = None
         self.watch = None           # the step's GradientWatch (fp16), or None
+        # the executable's random streams (streams.Streams): each micro-batch,
+        # update and inference micro-batch runs under its own key
+        self.streams = None
         self._batch = None          # (device iteration, micro-batch, replica) collected
         # the rule for each kind of control step (a subclass may override one)
         self._rules = {kind: getattr(self, "_" + kind.__name__) for kind in STEP_KINDS}
@@ -190,6 +193,8 @@ class Engine:
         try:
             with torch.no_grad():
                 self._walk(program.main)
+            if self.streams is not None:
+                self.streams.calls += 1         # the next call draws afresh
         finally:
             self._program = self._state = self._inputs = self._collector = None
         return collector.result()
@@ -249,6 +254,8 @@ class Engine:
     def _forward(self, r):
         state, i = self._state, self._counters.get("device_iteration", 0)
         n_buf = len(state.buffers[0])
+        if self.streams is not None:
+            self.streams.set("forward", i, r)
         outs = self.step_fn(state.params + state.buffers[r] + [x[i, 0, r] for x in self._inputs])
         n_out = len(outs) - n_buf
         state.buffers[r] = outs[n_out:]
@@ -261,6 +268,8 @@ class Engine:
         i = self._counters.get("device_iteration", 0)
         g = self._counters.get("accumulation", 0)
         n_train, n_buf = state.n_trainable, len(state.buffers[0])
+        if self.streams is not None:
+            self.streams.set("step", i, g, r)
         outs = self.step_fn(state.params + state.buffers[r]
                             + [x[i, g, r] for x in self._inputs] + u.extra)
         if self._scale is not None:       # the gradient statistics
@@ -309,9 +318,11 @@ class Engine:
             if shared is None:
                 outs = None
             else:
+                keys = None if self.streams is None else torch.stack(
+                    [self.streams.key_of("step", i, g, r) for i, g, r in part])
                 try:
                     outs = self.batch_fn(shared, [torch.stack([x[i, g, r] for i, g, r in part])
-                                                  for x in self._inputs], u.extra)
+                                                  for x in self._inputs], u.extra, keys)
                 except Exception:  # noqa: BLE001 - vmap cannot batch an op: go serial
                     self.batch_fn, outs = None, None
             if outs is None:
@@ -412,6 +423,8 @@ class Engine:
     # -- the optimizer update ----------------------------------------------------------
     def _run_update_call(self):
         state, u = self._state, self._update
+        if self.streams is not None:
+            self.streams.set("update", self._counters.get("device_iteration", 0))
         self._reduce(range(len(u.acc)))       # nothing left when the program reduced them
         if u.stats is not None:
             state.loss_scale.add(u.stats)

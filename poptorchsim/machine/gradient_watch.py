@@ -5,7 +5,7 @@ import torch
 
 from .half_partials import half_partials_kernel, uses_half_partials
 from .precision import ROUNDS_LIKE_FP32, SLOW_IN_HALF, rounds_stochastically
-from .rounding import HALF, _widen_all
+from .rounding import HALF, _widen_all, result_stream
 
 
 # |x| boundaries of what rounding to nearest fp16 does to an fp32 value x:
@@ -65,12 +65,12 @@ class GradientWatch:
         stochastic = rounding is not None and rounds_stochastically(op)
         exact = uses_half_partials(op) and half_partials_kernel(op.target) is not None
 
-        def narrow(w, dtype):
+        def narrow(w, dtype, j=0):
             if not isinstance(w, torch.Tensor) or dtype is None or w.dtype == dtype:
                 return w
             if dtype != HALF:
                 return w.to(dtype)
-            return rounding.round(w) if stochastic else w.to(HALF)
+            return rounding.round(w, result_stream(op.id, j)) if stochastic else w.to(HALF)
 
         def counted(args, kwargs, out, wide):
             outs = [out] if isinstance(out, torch.Tensor) else list(out)
@@ -103,7 +103,7 @@ class GradientWatch:
             elif single and isinstance(wide, torch.Tensor):
                 out = narrow(wide, dtypes[0])
             else:
-                out = type(wide)(narrow(w, d) for w, d in zip(wide, dtypes))
+                out = type(wide)(narrow(w, d, j) for j, (w, d) in enumerate(zip(wide, dtypes)))
             if self.counting and self._counts(op.name):
                 return counted(args, kwargs, out, wide)
             return out

@@ -9,10 +9,11 @@ kernel unchanged, so fp16 results equal PyTorch's CPU fp16 bit for bit.
   two fp16 values around it, up with probability (x - lo) / (hi - lo).  The
   expected value of the rounding is x: updates below half an ulp move
   weights in expectation.  The random bits come from one source per
-  compiled executable (``rounding.RandomBits``), seeded from
-  ``Options.randomSeed`` (and the process id of a distributed run): the
-  same seed gives the same results; replicas run one after the other and
-  read different bits, as the IPU's per-tile generators do.
+  compiled executable's random streams (``streams.Streams``), seeded from
+  ``Options.randomSeed`` (and the process id of a distributed run) and
+  keyed by micro-batch, replica and op: the same seed gives the same
+  results, whether the micro-batches run one after another or batched;
+  replicas read different bits, as the IPU's per-tile generators do.
 * **Half partials** (``Precision.setPartialsType(torch.half)``): matmuls
   and convolutions with fp16 operands accumulate their reduction in fp16.
   Model: the reduction is cut into chunks of ``PARTIALS_CHUNK`` (16, an AMP
@@ -91,7 +92,7 @@ def host_kernel(op, kernel, rounding=None, into=False):
         return half_partials_kernel(op.target)
     dtypes = [t.dtype if t is not None else None for t in op.outputs]
     if rounding is not None and rounds_stochastically(op):
-        return with_stochastic_rounding(kernel, dtypes, rounding, into)
+        return with_stochastic_rounding(kernel, dtypes, rounding, into, op.id)
     if (op.target in SLOW_IN_HALF and HALF in dtypes) or op.target in INDEX_OF_HALF:
         return in_fp32(kernel, dtypes)
     return kernel

@@ -5,6 +5,8 @@ import random
 import torch
 from torch.utils import _pytree as pytree
 
+from .streams import POOL, Window
+
 HALF = torch.float16
 _MIN_EXP = -14          # smallest normal fp16 exponent; below it the spacing is fixed
 _DROPPED = 1 << 13      # fp32 carries 13 mantissa bits below fp16's (normal values)
@@ -14,37 +16,35 @@ _EXACT_FROM = 1 << 16   # a larger tensor mostly of fp16 values rounds the other
 _ROW = 64               # (by rows of this many values)
 _BLOCK = 1 << 18        # values rounded at a time: each block's temporaries stay in
                         # cache (2**18 measured fastest against 2**16 .. 2**21)
-_POOL = 1 << 22         # random integers drawn once per seed, read in windows
 
 
 class RandomBits:
-    """Uniform integers in [0, 2**13), one per value stochastic rounding
-    rounds: windows into ``_POOL`` integers drawn once from ``seed``, each
-    window starting at an offset drawn from ``seed`` (a block of values
-    reads one window).  Each integer is uniform, so each rounding is
-    unbiased; a window costs no arithmetic, where drawing the integers took
-    half of the rounding's time (the IPU's tiles draw theirs in hardware)."""
+    """A source of stochastic rounding's bits outside an executable (its
+    streams give an executable's, ``streams.Streams.window``): windows
+    into a pool of ``POOL`` uniform integers in [0, 2**13) drawn once from
+    ``seed``, each window starting at an offset drawn from ``seed`` in
+    order.  Each integer is uniform, so each rounding is unbiased; a window
+    costs no arithmetic (the IPU's tiles draw their bits in hardware)."""
 
     def __init__(self, seed):
         self.seed = int(seed)
         self.offsets = random.Random(self.seed)
         self._pool = None
 
-    def take(self, n):
-        """``n`` (at most ``_POOL``) integers, int32."""
+    def window(self, device=None):
         if self._pool is None:
             g = torch.Generator().manual_seed(self.seed)
-            self._pool = torch.randint(0, _DROPPED, (_POOL,), dtype=torch.int32, generator=g)
-        start = self.offsets.randrange(_POOL - n + 1)
-        return self._pool[start:start + n]
+            self._pool = torch.randint(0, _DROPPED, (POOL,), dtype=torch.int32, generator=g)
+        return Window(self._pool, self.offsets.randrange(POOL))
 
 
 def stochastic_round(x, bits):
     """``x`` (fp32) rounded stochastically to fp16: to ``lo`` or ``hi`` (the
     fp16 neighbours of x) with P(hi) = (x - lo) / (hi - lo).  Exact fp16
     values, infinities and NaNs are kept; values past fp16's largest finite
-    (65504) may round to infinity, as a cast does.  ``bits``: a
-    ``RandomBits``.
+    (65504) may round to infinity, as a cast does.  ``bits``: the
+    ``streams.Window`` of this result (value ``j`` of ``x`` in memory order
+    reads its bit ``j``), or a ``RandomBits``.
 
     One random integer r in [0, 2**13) per value, added to the bits of |x|
     (an fp32 carries 13 mantissa bits below an fp16's), then those 13 bits
@@ -55,8 +55,15 @@ def stochastic_round(x, bits):
     after.  Probabilities are resolved to 2**-13 (exactly for fp16's normal
     range).  A large tensor mostly of values fp16 holds exactly (an
     embedding's gradient, mostly zeros; a sum with such a gradient) rounds
-    only its rows (64 values in memory order) holding other values."""
+    only its rows (64 values in memory order) holding other values; the
+    values it rounds read the same bits as in a full rounding, so the
+    result does not depend on the shortcut.  In a batched (``vmap``) call
+    the whole tensor rounds at once, out of place, to the same values."""
+    if hasattr(bits, "window"):
+        bits = bits.window(x.device)
     x = x.float().contiguous()
+    if getattr(bits, "batched", False):
+        return _round(x, bits.range(0, x.numel()).view(x.shape))
     if x.numel() < _EXACT_FROM or not _mostly_exact(x):
         return _dense(x, bits)
     flat = x.view(-1)
@@ -64,31 +71,43 @@ def stochastic_round(x, bits):
     body = flat.numel() - flat.numel() % _ROW
     rows, kept = flat[:body].view(-1, _ROW), out[:body].view(-1, _ROW)
     inexact = kept.float().sub_(rows).abs_().amax(dim=1).nonzero().squeeze(1)  # NaNs too
-    kept[inexact] = _dense(rows[inexact], bits)
+    positions = (inexact[:, None] * _ROW + torch.arange(_ROW, device=x.device)).view(-1)
+    kept[inexact] = _round_block(rows[inexact], bits.at(positions).view(-1, _ROW))
     if body < flat.numel():
-        out[body:] = _dense(flat[body:], bits)
+        out[body:] = _round_block(flat[body:], bits.range(body, flat.numel() - body))
     return out.view(x.shape)
 
 
 def _dense(x, bits):
     """``stochastic_round`` of every value of ``x`` (fp32, contiguous)."""
     if x.numel() > _BLOCK:         # block by block: each block's temporaries stay in cache
-        flat, out = x.view(-1), torch.empty(x.shape, dtype=HALF)
-        for part, into in zip(flat.split(_BLOCK), out.view(-1).split(_BLOCK)):
-            into.copy_(_round_block(part, bits))
+        flat, out = x.view(-1), torch.empty(x.shape, dtype=HALF, device=x.device)
+        for k, (part, into) in enumerate(zip(flat.split(_BLOCK),
+                                             out.view(-1).split(_BLOCK))):
+            into.copy_(_round_block(part, bits.range(k * _BLOCK, part.numel())))
         return out
-    return _round_block(x, bits)
+    return _round_block(x, bits.range(0, x.numel()).view(x.shape))
 
 
-def _round_block(x, bits):
-    """``stochastic_round`` of a dense fp32 block, in place on its temporaries."""
-    r = bits.take(x.numel()).view(x.shape)
+def _round_block(x, r):
+    """``stochastic_round`` of a dense fp32 block with its bits ``r``, in
+    place on its temporaries."""
+    r = r.view(x.shape)
     a = x.abs()
     # 2**-14 for subnormals, else 0 (a comparison written as floats: bool tensors are slow)
     shift = torch.lt(a, _SMALLEST_NORMAL, out=torch.empty_like(a)).mul_(_SMALLEST_NORMAL)
     # a NaN's bits lowered to the quiet NaN's, so that adding r cannot carry into the sign
     a.add_(shift).view(torch.int32).clamp_(max=_NAN).add_(r).bitwise_and_(-_DROPPED)
     return torch.copysign(a.sub_(shift), x, out=a).to(HALF)
+
+
+def _round(x, r):
+    """``_round_block``'s arithmetic out of place (``vmap`` batches it): the
+    same values."""
+    a = x.abs()
+    shift = torch.lt(a, _SMALLEST_NORMAL).to(a.dtype) * _SMALLEST_NORMAL
+    bits = ((a + shift).view(torch.int32).clamp(max=_NAN) + r) & -_DROPPED
+    return torch.copysign(bits.view(torch.float32) - shift, x).to(HALF)
 
 
 def _mostly_exact(x, stride=61):
@@ -102,25 +121,24 @@ def _mostly_exact(x, stride=61):
 
 
 class Rounding:
-    """The random state of stochastic rounding for one executable."""
+    """Stochastic rounding of one executable: its bits come from the
+    executable's random streams (``streams.Streams``), one window per
+    rounded result, keyed by the micro-batch and the op."""
 
-    def __init__(self, seed=None, process_id=0):
-        if seed is None:                        # no randomSeed: torch's global RNG decides
-            seed = int(torch.randint(0, 2 ** 62, (1,)).item())
-        self.seed = (int(seed) * 1_000_003 + int(process_id)) % (2 ** 63)
-        self.bits = RandomBits(self.seed)
+    def __init__(self, streams):
+        self.streams = streams
 
-    def __getstate__(self):
-        return {"seed": self.seed, "offsets": self.bits.offsets.getstate()}
+    @property
+    def seed(self):
+        return self.streams.seed
 
-    def __setstate__(self, state):
-        self.seed = state["seed"]
-        self.bits = RandomBits(self.seed)
-        if "offsets" in state:          # (a state saved before the pool: starts afresh)
-            self.bits.offsets.setstate(state["offsets"])
+    def round(self, x, stream=0):
+        return stochastic_round(x, self.streams.window(stream, x.device))
 
-    def round(self, x):
-        return stochastic_round(x, self.bits)
+
+def result_stream(stream, j):
+    """The stream of result ``j`` of the op whose id is ``stream``."""
+    return int(stream) * 8 + j
 
 
 def _widen_all(x):
@@ -159,14 +177,15 @@ def _meta(x):
         if isinstance(x, torch.Tensor) else x
 
 
-def with_stochastic_rounding(kernel, out_dtypes, rounding, into=False):
+def with_stochastic_rounding(kernel, out_dtypes, rounding, into=False, stream=0):
     """``kernel`` computed in fp32, its fp16 results rounded stochastically.
 
     Which results are fp16 is read from the kernel itself (on meta tensors,
     once per operand dtypes): graphs traced dtype-blind (the optimizer
     update) meet fp16 weights only at run time.  ``out_dtypes`` (the traced
     dtypes) serve where the kernel has no meta form.  ``into``: the op's
-    result is written into its first operand (the engine's in-place plan)."""
+    result is written into its first operand (the engine's in-place plan).
+    ``stream``: the op's id; result ``j`` reads stream ``result_stream(stream, j)``."""
     seen = {}
 
     def dtypes(key, args, kwargs):
@@ -192,8 +211,10 @@ def with_stochastic_rounding(kernel, out_dtypes, rounding, into=False):
             return exact(args, kwargs)
         wide = kernel(*_widen_all(args), **{k: _widen_all(v) for k, v in kwargs.items()})
         if isinstance(wide, torch.Tensor):
-            result = rounding.round(wide) if want[0] == HALF else wide.to(want[0])
+            result = rounding.round(wide, result_stream(stream, 0)) if want[0] == HALF \
+                else wide.to(want[0])
             return args[0].copy_(result) if into else result
-        return type(wide)(rounding.round(r) if d == HALF and isinstance(r, torch.Tensor)
-                          else r for r, d in zip(wide, want))
+        return type(wide)(rounding.round(r, result_stream(stream, j))
+                          if d == HALF and isinstance(r, torch.Tensor) else r
+                          for j, (r, d) in enumerate(zip(wide, want)))
     return run

@@ -253,6 +253,7 @@ def rebuild_update(compiled, model, optimizer, config):
         if c.auto_loss_scaling:
             add_scale_update(g, model, c.auto_loss_scaling)
         g.rounding = compiled.rounding
+        g.streams = program.graphs["training_step"].streams
         g.floating_point_checks = floating_point_checks(compiled.precision)
     program.graphs["optimizer_update"] = update.graph
     program.sharded_state = set(shards)

@@ -183,6 +183,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         self._inputs.input_writes = step.input_writes
         self._engine = Engine(compiled.step_fn, compiled.update_fn, self._shard_index(),
                               n_writes=len(step.input_writes))
+        self._engine.streams = step.streams
         if self._training:
             self._opt_settings, _ = update_plan(self._optimizer, ga, config.running_mean,
                                                 config.auto_loss_scaling)

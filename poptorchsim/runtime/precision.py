@@ -2,6 +2,7 @@
 running statistics kept in float32 (``runningStatisticsAlwaysFloat``)."""
 import contextlib
 import logging
+import os
 
 import torch
 
@@ -9,6 +10,7 @@ from ..capture.mixed_precision import batch_norm_float_statistics
 from ..errors import Error
 from ..machine.gradient_watch import GradientWatch
 from ..machine.precision import Rounding, mark_partials
+from ..machine.streams import Streams
 from ..passes.loss_scaling import (add_gradient_statistics, add_loss_scale_update,
                                    mark_watched, settings as loss_scaling_settings)
 
@@ -23,7 +25,24 @@ def settings(options):
             "partials": p.partials_type,
             "running_statistics_always_float": bool(p.running_statistics_always_float),
             "seed": getattr(options, "random_seed", None),
+            "random_streams": random_streams_mode(options),
             "process_id": int(options.Distributed.processId)}
+
+
+def random_streams_mode(options):
+    """"counter" or "eager": ``Options.randomStreams``, else the environment
+    variable ``POPTORCHSIM_RANDOM_STREAMS``, else "counter"."""
+    mode = getattr(options, "random_streams", None)
+    if mode is None:
+        env = os.environ.get("POPTORCHSIM_RANDOM_STREAMS", "").strip().lower()
+        if env in ("eager", "counter"):
+            mode = env
+        elif env in ("permicrobatch", "per_micro_batch"):
+            mode = "counter"
+        elif env:
+            raise Error(f"POPTORCHSIM_RANDOM_STREAMS={env!r}: use 'eager' (PyTorch's "
+                        "generator in eager order) or 'counter' (per micro-batch streams)")
+    return mode or "counter"
 
 
 def floating_point_checks(precision):
@@ -33,23 +52,25 @@ def floating_point_checks(precision):
     return bool((precision or {}).get("floating_point_exceptions"))
 
 
-def apply(precision, graphs):
-    """Marks half-partials ops and attaches the stochastic-rounding state and
-    the floating-point checks to ``graphs`` (one program's); returns the
+def apply(precision, graphs, streams=None):
+    """Marks half-partials ops and attaches the random streams (a new
+    ``Streams``, or ``streams``), the stochastic-rounding state and the
+    floating-point checks to ``graphs`` (one program's); returns the
     ``Rounding`` or None."""
     if not precision:
         return None
+    if streams is None:
+        streams = Streams(precision.get("seed"), precision.get("process_id", 0),
+                          precision.get("random_streams") or "counter")
     if floating_point_checks(precision):
         for g in graphs:
             g.floating_point_checks = True
     if precision.get("partials") == "half":
         for g in graphs:
             mark_partials(g, "half")
-    rounding = None
-    if precision.get("stochastic_rounding"):
-        rounding = Rounding(precision.get("seed"), precision.get("process_id", 0))
+    rounding = Rounding(streams) if precision.get("stochastic_rounding") else None
     for g in graphs:
-        g.rounding = rounding
+        g.rounding, g.streams = rounding, streams
     return rounding
 
 

@@ -1,0 +1,302 @@
+"""Counter-based random streams: the numbers a random op draws are a
+function of (seed, micro-batch, op), not of the order ops run in.
+
+The IPU seeds its random number generators from ``Options.randomSeed``; each
+replica and micro-batch then draws its own numbers, whatever else runs.  The
+host does the same here.  Every micro-batch (and every optimizer update, and
+every inference call) gets a *key*, two 32-bit words derived from the seed,
+the call, the device iteration, the accumulation step and the replica
+(``Streams.key_of``).  An op draws from the stream of its key and its own id:
+element ``j`` of its draw is a keyed hash of ``j`` (``words``, two rounds of
+a 32-bit integer mix written in tensor arithmetic).  So
+
+* a micro-batch draws the same numbers whether the micro-batches run one
+  after another or as one ``torch.func.vmap`` call (the key is then one row
+  of a batched tensor, and the same arithmetic runs on every row): programs
+  with dropout and stochastic rounding batch their micro-batches as others
+  do (``batching.serial_reason``);
+* the numbers are the same on every device (integer arithmetic; the CPU and
+  a GPU compute the same hash);
+* a run repeats bit for bit from its seed.
+
+``RandomStreams.Eager`` keeps PyTorch's own generator, drawn in eager order
+(micro-batches then run one after another): the same dropout masks as plain
+PyTorch under the same ``torch.manual_seed``, which is what tests comparing
+with eager PyTorch bit for bit want.  Stochastic rounding always reads its
+bits from the counter-based streams (it has no eager counterpart).
+
+Stochastic rounding needs a 13-bit integer per value rounded, for every fp16
+result: hashing each would cost more than the rounding itself, so its bits
+are windows into a pool of integers drawn once from the seed, each window
+starting at a keyed hash of the op (``Streams.window``): value ``j`` of an
+op's result reads ``pool[(start + j) mod POOL]``, the same in a serial and a
+batched run.
+"""
+import itertools
+
+import torch
+
+_EXECUTABLES = itertools.count()
+MASK32 = 0xFFFFFFFF
+POOL = 1 << 22              # stochastic rounding's pool of random integers
+DROPPED = 1 << 13           # bits below fp16's mantissa in an fp32 (rounding.py)
+
+aten = torch.ops.aten
+
+
+def _mul32(x, c):
+    """``x * c mod 2**32`` for int64 tensors ``x`` in [0, 2**32) and a
+    constant ``c`` < 2**32, without overflowing int64 (c in 16-bit halves)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def mix32(x):
+    """A bijective 32-bit integer hash (Wellons' ``lowbias32``: xor-shifts and
+    two odd multipliers) of an int64 tensor with values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _splitmix(x):
+    """SplitMix64's output function, on a Python integer (host-side keys)."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def derive_key(*parts):
+    """Two 32-bit words from integers (seed, kind, call, ...), as an int64
+    tensor of shape [2]."""
+    h = 0
+    for p in parts:
+        h = _splitmix(h ^ (int(p) & 0xFFFFFFFFFFFFFFFF))
+    return torch.tensor([h & MASK32, h >> 32], dtype=torch.int64)
+
+
+def _op_key(key, stream):
+    """The key of one op's stream: the micro-batch's key mixed with the
+    op's id (tensor arithmetic: ``key`` may be a row of a batched call)."""
+    s = int(stream) & MASK32
+    k0 = mix32(key[..., 0] ^ _mul32(torch.tensor(s, dtype=torch.int64), 0x9E3779B1))
+    k1 = mix32(key[..., 1] ^ mix32(torch.tensor(s ^ 0x5BD1E995, dtype=torch.int64)))
+    return k0, k1
+
+
+def words(key, stream, n, device=None):
+    """``n`` uniform 32-bit integers (int64) of ``stream`` under ``key``:
+    element ``j`` is ``mix32(mix32(j ^ k0) ^ k1)`` for the op's key words."""
+    k0, k1 = _op_key(key.to(device) if device is not None else key, stream)
+    j = torch.arange(n, dtype=torch.int64, device=device)
+    return mix32(mix32(j ^ k0) ^ k1)
+
+
+def uniform(key, stream, shape, device=None):
+    """float32 values in [0, 1) on a 2**-24 grid, of ``shape``."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    w = words(key, stream, n, device)
+    return ((w >> 8).to(torch.float32) * (1.0 / (1 << 24))).reshape(tuple(shape))
+
+
+def normal(key, stream, shape, device=None):
+    """Standard normal float32 values (Box-Muller on two uniform streams)."""
+    u1 = uniform(key, stream, shape, device)
+    u2 = uniform(key, int(stream) ^ 0x2545F491, shape, device)
+    radius = torch.sqrt(-2.0 * torch.log1p(-u1))        # 1 - u1 in (0, 1]
+    return radius * torch.cos((2 * torch.pi) * u2)
+
+
+def loop_key(key, k):
+    """The key of iteration ``k`` of a loop run under ``key``."""
+    step = torch.tensor(int(k) & MASK32, dtype=torch.int64)
+    return torch.stack([mix32(key[..., 0] ^ mix32(step)), mix32(key[..., 1] ^ step)], -1)
+
+
+# random-class ops that draw nothing (their results follow from their operands)
+_DRAW_NOTHING = ("native_dropout_backward",)
+
+
+def draws(op):
+    """Does ``op`` (a "random"-class IR op) draw random numbers?"""
+    name = getattr(getattr(op.target, "overloadpacket", None), "__name__", "")
+    return op.cost_class == "random" and name not in _DRAW_NOTHING
+
+
+class Window:
+    """Stochastic rounding's bits for one result: value ``j`` reads
+    ``pool[(start + j) mod POOL]``.  ``start``: an int64 tensor (a row of a
+    batched call when ``batched``) or an int."""
+
+    def __init__(self, pool, start, batched=False):
+        self.pool, self.start, self.batched = pool, start, batched
+
+    def range(self, first, n):
+        """The bits of values ``first`` .. ``first + n - 1``, int32."""
+        if self.batched:
+            idx = (self.start + first + torch.arange(n, device=self.pool.device)) % POOL
+            return self.pool[idx]
+        begin = (int(self.start) + first) % POOL
+        if begin + n <= POOL:
+            return self.pool[begin:begin + n]
+        return self.pool[(begin + torch.arange(n, device=self.pool.device)) % POOL]
+
+    def at(self, positions):
+        """The bits of the values at ``positions`` (an int64 tensor)."""
+        return self.pool[(self.start + positions) % POOL]
+
+
+class Streams:
+    """The random streams of one executable: its seed, the key of the
+    micro-batch (or update, or inference call) running now, and
+    stochastic rounding's pool.
+
+    ``mode``: "counter" (random ops draw from the streams) or "eager"
+    (random ops use PyTorch's generator in eager order; stochastic rounding
+    still reads the streams)."""
+
+    def __init__(self, seed=None, process_id=0, mode="counter"):
+        if seed is None:
+            # no randomSeed: PyTorch's seed (torch.manual_seed) decides, read
+            # without drawing from its generator (the eager order is kept),
+            # and each executable of a process gets its own
+            seed = _splitmix(torch.initial_seed() ^ next(_EXECUTABLES)) >> 2
+        self.seed = (int(seed) * 1_000_003 + int(process_id)) % (2 ** 63)
+        self.mode = mode
+        self.calls = 0                          # calls run (each gives fresh keys)
+        self.key = derive_key(self.seed)        # the key in force (set per micro-batch)
+        self.batched = False                    # ``key`` is a row of a vmapped call
+        self._pools = {}
+
+    def __getstate__(self):
+        return {"seed": self.seed, "mode": self.mode, "calls": self.calls}
+
+    def __setstate__(self, state):
+        self.__init__(0, 0, state["mode"])
+        self.seed, self.calls = state["seed"], state["calls"]
+        self.key = derive_key(self.seed)
+
+    # -- keys -----------------------------------------------------------------------
+    KINDS = {"step": 0, "update": 1, "forward": 2}
+
+    def key_of(self, kind, *where):
+        """The key of a micro-batch (``kind`` "step": device iteration,
+        accumulation step, replica), an optimizer update ("update": its
+        index in the call) or an inference micro-batch ("forward": device
+        iteration, replica) of the current call."""
+        return derive_key(self.seed, self.KINDS[kind], self.calls, *where)
+
+    def set(self, kind, *where):
+        self.key, self.batched = self.key_of(kind, *where), False
+
+    # -- random ops -------------------------------------------------------------------
+    def handles(self, op):
+        """Does ``op`` draw from the streams (rather than PyTorch's generator)?"""
+        return self.mode == "counter" and random_kernel(op, self) is not None
+
+    # -- stochastic rounding's bits -------------------------------------------------------
+    def pool(self, device):
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if device not in self._pools:
+            if "cpu" not in self._pools:
+                g = torch.Generator().manual_seed(self.seed)
+                self._pools["cpu"] = torch.randint(0, DROPPED, (POOL,), dtype=torch.int32,
+                                                   generator=g)
+            self._pools[device] = self._pools["cpu"].to(device)
+        return self._pools[device]
+
+    def window(self, stream, device=None):
+        """The ``Window`` of result ``stream`` under the key in force."""
+        start = words(self.key, stream, 1)[0] % POOL
+        return Window(self.pool(device), start, self.batched)
+
+
+# -- the random ops, drawn from the streams ------------------------------------------------
+
+def _shape_of(op):
+    return tuple(op.outputs[0].shape)
+
+
+def random_kernel(op, streams):
+    """The host function of random ``op`` drawing from ``streams`` (stream:
+    the op's id), or None where the op has no counter-based form here
+    (it then draws from PyTorch's generator, in order)."""
+    target = op.target
+    name = getattr(getattr(target, "overloadpacket", None), "__name__", "")
+    overload = getattr(target, "_overloadname", "")
+    if not op.outputs or op.outputs[0] is None:
+        return None
+    shape, out_dtype, stream = _shape_of(op), op.outputs[0].dtype, op.id
+
+    def draw_uniform(device):
+        return uniform(streams.key, stream, shape, device)
+
+    def draw_normal(device):
+        return normal(streams.key, stream, shape, device)
+
+    if name == "native_dropout":
+        def native_dropout(x, p, train=True):
+            if train is False:
+                return x.clone(), torch.ones_like(x, dtype=torch.bool)
+            if p >= 1:
+                return torch.zeros_like(x), torch.zeros_like(x, dtype=torch.bool)
+            keep = draw_uniform(x.device) >= p
+            return x * keep.to(x.dtype) * (1.0 / (1.0 - p)), keep
+        return native_dropout
+    if name == "bernoulli" and overload in ("", "default", "p", "Tensor"):
+        def bernoulli(x, p=None, generator=None):
+            prob = x if p is None else p
+            return (draw_uniform(x.device) < prob).to(x.dtype)
+        return bernoulli
+    if name in ("rand", "rand_like", "randn", "randn_like"):
+        gaussian = name.startswith("randn")
+
+        def rand(*args, dtype=None, layout=None, device=None, pin_memory=None,
+                 memory_format=None, generator=None):
+            if device is None and args and isinstance(args[0], torch.Tensor):
+                device = args[0].device
+            values = draw_normal(device) if gaussian else draw_uniform(device)
+            return values.to(out_dtype)
+        return rand
+    if name == "uniform" and overload in ("", "default"):
+        def uniform_(x, low=0.0, high=1.0, generator=None):
+            return (low + (high - low) * draw_uniform(x.device)).to(x.dtype)
+        return uniform_
+    if name == "normal" and overload in ("Tensor_float", "float_Tensor", "Tensor_Tensor",
+                                         "float_float", "functional"):
+        def normal_(*args, generator=None, dtype=None, layout=None, device=None,
+                    pin_memory=None, **kwargs):
+            if overload == "functional":          # normal(self, mean, std)
+                like, mean, std = args[0], args[1] if len(args) > 1 else 0.0, \
+                    args[2] if len(args) > 2 else 1.0
+                device = like.device
+            else:
+                mean, std = args[0], args[1]
+                tensors = [a for a in (mean, std) if isinstance(a, torch.Tensor)]
+                device = tensors[0].device if tensors else device
+            return (mean + std * draw_normal(device)).to(out_dtype)
+        return normal_
+    if name == "randint":
+        def randint(*args, dtype=None, layout=None, device=None, pin_memory=None,
+                    generator=None):
+            if overload == "low" or (len(args) == 3):
+                low, high = args[0], args[1]
+            else:
+                low, high = 0, args[0]
+            n = 1
+            for s in shape:
+                n *= s
+            w = words(streams.key, stream, n, device)
+            return (low + w % max(int(high) - int(low), 1)).reshape(shape).to(out_dtype)
+        return randint
+    if name == "randperm" and overload in ("", "default"):
+        def randperm(n, dtype=None, layout=None, device=None, pin_memory=None,
+                     generator=None):
+            w = words(streams.key, stream, int(n), device)
+            return torch.argsort(w, stable=True).to(out_dtype)
+        return randperm
+    return None
