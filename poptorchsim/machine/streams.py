@@ -32,11 +32,10 @@ starting at a keyed hash of the op (``Streams.window``): value ``j`` of an
 op's result reads ``pool[(start + j) mod POOL]``, the same in a serial and a
 batched run.
 """
-import itertools
+import hashlib
 
 import torch
 
-_EXECUTABLES = itertools.count()
 MASK32 = 0xFFFFFFFF
 POOL = 1 << 22              # stochastic rounding's pool of random integers
 DROPPED = 1 << 13           # bits below fp16's mantissa in an fp32 (rounding.py)
@@ -161,10 +160,12 @@ class Streams:
 
     def __init__(self, seed=None, process_id=0, mode="counter"):
         if seed is None:
-            # no randomSeed: PyTorch's seed (torch.manual_seed) decides, read
-            # without drawing from its generator (the eager order is kept),
-            # and each executable of a process gets its own
-            seed = _splitmix(torch.initial_seed() ^ next(_EXECUTABLES)) >> 2
+            # no randomSeed: PyTorch's generator decides (torch.manual_seed,
+            # and what was drawn since), its state read without drawing
+            # from it, so that the eager order is kept
+            state = hashlib.blake2b(torch.random.get_rng_state().numpy().tobytes(),
+                                    digest_size=8).digest()
+            seed = int.from_bytes(state, "little") >> 2
         self.seed = (int(seed) * 1_000_003 + int(process_id)) % (2 ** 63)
         self.mode = mode
         self.calls = 0                          # calls run (each gives fresh keys)
