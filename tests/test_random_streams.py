@@ -10,7 +10,7 @@ from torch import nn
 import poptorchsim as poptorch
 from poptorchsim.errors import Error
 from poptorchsim.machine import streams as S
-from poptorchsim.machine.rounding import stochastic_round
+from poptorchsim.machine.rounding import Rounding, stochastic_round
 from conftest import quiet_options
 
 
@@ -59,14 +59,18 @@ def test_stochastic_rounding_reads_the_same_bits_batched_and_serial():
     keys = torch.stack([streams.key_of("step", 0, k, 0) for k in range(3)])
     streams.pool(None)
 
+    rounding = Rounding(streams)
+
     def one(x, key):
         streams.key, streams.batched = key, True
-        return stochastic_round(x, streams.window(21))
+        return rounding.round(x, 21)
     batched = torch.func.vmap(one)(xs, keys)
+    streams.batched = False
     for k in range(3):
         streams.set("step", 0, k, 0)
-        serial = stochastic_round(xs[k], streams.window(21))
+        serial = rounding.round(xs[k], 21)
         assert torch.equal(serial, batched[k])
+        assert torch.equal(serial, stochastic_round(xs[k], streams.window(21)))
     # unbiased
     x = torch.full((200_000,), 1.0001)
     streams.set("step", 1, 0, 0)

@@ -1,5 +1,7 @@
 """fp16 partial sums of matmuls and convolutions (``Precision.setPartialsType(torch.half)``):
 the model of ``docs/precision.md``, computed with batched fp32 kernels."""
+import functools
+
 import torch
 
 aten = torch.ops.aten
@@ -218,12 +220,54 @@ def _convolution(x, w, bias, stride, padding, dilation, transposed, output_paddi
     return out
 
 
+class _Batched(torch.autograd.Function):
+    """``kernel(*args)``; under ``vmap`` (micro-batches run as one call),
+    the kernel once on the whole batch: a matrix product's batch becomes a
+    leading dimension of its operands (``fold``: each row's reduction is
+    the one it has alone, the same partial sums in the same order), a
+    convolution runs row by row.  The kernels write into buffers of their
+    own, which vmap's batching rules cannot take."""
+
+    @staticmethod
+    def forward(kernel, fold, *args):
+        return kernel(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def vmap(info, in_dims, kernel, fold, *args):
+        dims = in_dims[2:]
+        tensors = [(a, d) for a, d in zip(args, dims) if isinstance(a, torch.Tensor)]
+        logical = max(a.dim() - (d is not None) for a, d in tensors)
+        if fold:
+            moved = []
+            for a, d in zip(args, dims):
+                if isinstance(a, torch.Tensor) and d is not None:
+                    a = a.movedim(d, 0)
+                    a = a.view((a.shape[0],) + (1,) * (logical - a.dim() + 1) + a.shape[1:])
+                moved.append(a)
+            return kernel(*moved), 0
+        rows = [kernel(*[a.select(d, i) if isinstance(a, torch.Tensor) and d is not None
+                         else a for a, d in zip(args, dims)])
+                for i in range(info.batch_size)]
+        return torch.stack(rows), 0
+
+
+def _batchable(kernel, fold):
+    def run(*args, **kwargs):
+        return _Batched.apply(functools.partial(kernel, **kwargs) if kwargs else kernel,
+                              fold, *args)
+    return run
+
+
 HALF_PARTIALS = {
-    aten.mm.default: _mm,
-    aten.bmm.default: _mm,
-    aten.addmm.default: _addmm,
-    aten.baddbmm.default: _baddbmm,
-    aten.convolution.default: _convolution,
+    aten.mm.default: _batchable(_mm, True),
+    aten.bmm.default: _batchable(_mm, True),
+    aten.addmm.default: _batchable(_addmm, True),
+    aten.baddbmm.default: _batchable(_baddbmm, True),
+    aten.convolution.default: _batchable(_convolution, False),
 }
 
 

@@ -57,13 +57,10 @@ def stochastic_round(x, bits):
     embedding's gradient, mostly zeros; a sum with such a gradient) rounds
     only its rows (64 values in memory order) holding other values; the
     values it rounds read the same bits as in a full rounding, so the
-    result does not depend on the shortcut.  In a batched (``vmap``) call
-    the whole tensor rounds at once, out of place, to the same values."""
+    result does not depend on the shortcut."""
     if hasattr(bits, "window"):
         bits = bits.window(x.device)
     x = x.float().contiguous()
-    if getattr(bits, "batched", False):
-        return _round(x, bits.range(0, x.numel()).view(x.shape))
     if x.numel() < _EXACT_FROM or not _mostly_exact(x):
         return _dense(x, bits)
     flat = x.view(-1)
@@ -101,15 +98,6 @@ def _round_block(x, r):
     return torch.copysign(a.sub_(shift), x, out=a).to(HALF)
 
 
-def _round(x, r):
-    """``_round_block``'s arithmetic out of place (``vmap`` batches it): the
-    same values."""
-    a = x.abs()
-    shift = torch.lt(a, _SMALLEST_NORMAL).to(a.dtype) * _SMALLEST_NORMAL
-    bits = ((a + shift).view(torch.int32).clamp(max=_NAN) + r) & -_DROPPED
-    return torch.copysign(bits.view(torch.float32) - shift, x).to(HALF)
-
-
 def _mostly_exact(x, stride=61):
     """Does fp16 hold at least three quarters of ``x``'s values exactly?
     Judged from every ``stride``-th value (the answer only picks the faster
@@ -133,7 +121,33 @@ class Rounding:
         return self.streams.seed
 
     def round(self, x, stream=0):
+        if self.streams.batched:        # a batched call: each row its own window
+            return _RoundRows.apply(x, self.streams.window_start(stream),
+                                    self.streams.pool(x.device))
         return stochastic_round(x, self.streams.window(stream, x.device))
+
+
+class _RoundRows(torch.autograd.Function):
+    """``stochastic_round`` of ``x`` from the window at ``start`` of ``pool``;
+    under ``vmap`` (micro-batches run as one call, ``start`` one per row),
+    each row rounded as the serial order rounds it: the same values."""
+
+    @staticmethod
+    def forward(x, start, pool):
+        return stochastic_round(x, Window(pool, int(start)))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def vmap(info, in_dims, x, start, pool):
+        x_dim, start_dim = in_dims[0], in_dims[1]
+        rows = [stochastic_round(x.select(x_dim, i) if x_dim is not None else x,
+                                 Window(pool, int(start.select(start_dim, i))
+                                        if start_dim is not None else int(start)))
+                for i in range(info.batch_size)]
+        return torch.stack(rows), 0
 
 
 def result_stream(stream, j):

@@ -59,6 +59,15 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
+def mix32_int(x):
+    """``mix32`` of a Python integer in [0, 2**32)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
 def _splitmix(x):
     """SplitMix64's output function, on a Python integer (host-side keys)."""
     x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
@@ -78,17 +87,21 @@ def derive_key(*parts):
 
 def _op_key(key, stream):
     """The key of one op's stream: the micro-batch's key mixed with the
-    op's id (tensor arithmetic: ``key`` may be a row of a batched call)."""
+    op's id.  ``key``: a pair of Python integers, or an int64 tensor [2]
+    (a row of a batched call): the same words either way."""
     s = int(stream) & MASK32
-    k0 = mix32(key[..., 0] ^ _mul32(torch.tensor(s, dtype=torch.int64), 0x9E3779B1))
-    k1 = mix32(key[..., 1] ^ mix32(torch.tensor(s ^ 0x5BD1E995, dtype=torch.int64)))
-    return k0, k1
+    salt0, salt1 = (s * 0x9E3779B1) & MASK32, mix32_int(s ^ 0x5BD1E995)
+    if isinstance(key, tuple):
+        return mix32_int(key[0] ^ salt0), mix32_int(key[1] ^ salt1)
+    return mix32(key[..., 0] ^ salt0), mix32(key[..., 1] ^ salt1)
 
 
 def words(key, stream, n, device=None):
     """``n`` uniform 32-bit integers (int64) of ``stream`` under ``key``:
     element ``j`` is ``mix32(mix32(j ^ k0) ^ k1)`` for the op's key words."""
-    k0, k1 = _op_key(key.to(device) if device is not None else key, stream)
+    if isinstance(key, torch.Tensor) and device is not None:
+        key = key.to(device)
+    k0, k1 = _op_key(key, stream)
     j = torch.arange(n, dtype=torch.int64, device=device)
     return mix32(mix32(j ^ k0) ^ k1)
 
@@ -128,18 +141,14 @@ def draws(op):
 
 class Window:
     """Stochastic rounding's bits for one result: value ``j`` reads
-    ``pool[(start + j) mod POOL]``.  ``start``: an int64 tensor (a row of a
-    batched call when ``batched``) or an int."""
+    ``pool[(start + j) mod POOL]``."""
 
-    def __init__(self, pool, start, batched=False):
-        self.pool, self.start, self.batched = pool, start, batched
+    def __init__(self, pool, start):
+        self.pool, self.start = pool, int(start)
 
     def range(self, first, n):
         """The bits of values ``first`` .. ``first + n - 1``, int32."""
-        if self.batched:
-            idx = (self.start + first + torch.arange(n, device=self.pool.device)) % POOL
-            return self.pool[idx]
-        begin = (int(self.start) + first) % POOL
+        begin = (self.start + first) % POOL
         if begin + n <= POOL:
             return self.pool[begin:begin + n]
         return self.pool[(begin + torch.arange(n, device=self.pool.device)) % POOL]
@@ -171,6 +180,7 @@ class Streams:
         self.calls = 0                          # calls run (each gives fresh keys)
         self.key = derive_key(self.seed)        # the key in force (set per micro-batch)
         self.batched = False                    # ``key`` is a row of a vmapped call
+        self._ints = (None, None)               # (key, its two words as integers)
         self._pools = {}
 
     def __getstate__(self):
@@ -194,6 +204,16 @@ class Streams:
     def set(self, kind, *where):
         self.key, self.batched = self.key_of(kind, *where), False
 
+    @property
+    def current(self):
+        """The key in force: a pair of integers, or (in a batched call) the
+        row's tensor."""
+        if self.batched:
+            return self.key
+        if self._ints[0] is not self.key:
+            self._ints = (self.key, (int(self.key[0]), int(self.key[1])))
+        return self._ints[1]
+
     # -- random ops -------------------------------------------------------------------
     def handles(self, op):
         """Does ``op`` draw from the streams (rather than PyTorch's generator)?"""
@@ -210,10 +230,19 @@ class Streams:
             self._pools[device] = self._pools["cpu"].to(device)
         return self._pools[device]
 
+    def window_start(self, stream):
+        """Where result ``stream``'s window starts, under the key in force
+        (word 0 of its stream): an integer, or in a batched call the row's
+        tensor."""
+        k0, k1 = _op_key(self.current, stream)
+        if self.batched:
+            return mix32(mix32(k0) ^ k1) % POOL
+        return mix32_int(mix32_int(k0) ^ k1) % POOL
+
     def window(self, stream, device=None):
-        """The ``Window`` of result ``stream`` under the key in force."""
-        start = words(self.key, stream, 1)[0] % POOL
-        return Window(self.pool(device), start, self.batched)
+        """The ``Window`` of result ``stream`` under the key in force (not
+        in a batched call: ``rounding.Rounding.round`` takes those)."""
+        return Window(self.pool(device), self.window_start(stream))
 
 
 # -- the random ops, drawn from the streams ------------------------------------------------
@@ -234,10 +263,10 @@ def random_kernel(op, streams):
     shape, out_dtype, stream = _shape_of(op), op.outputs[0].dtype, op.id
 
     def draw_uniform(device):
-        return uniform(streams.key, stream, shape, device)
+        return uniform(streams.current, stream, shape, device)
 
     def draw_normal(device):
-        return normal(streams.key, stream, shape, device)
+        return normal(streams.current, stream, shape, device)
 
     if name == "native_dropout":
         def native_dropout(x, p, train=True):
@@ -291,13 +320,13 @@ def random_kernel(op, streams):
             n = 1
             for s in shape:
                 n *= s
-            w = words(streams.key, stream, n, device)
+            w = words(streams.current, stream, n, device)
             return (low + w % max(int(high) - int(low), 1)).reshape(shape).to(out_dtype)
         return randint
     if name == "randperm" and overload in ("", "default"):
         def randperm(n, dtype=None, layout=None, device=None, pin_memory=None,
                      generator=None):
-            w = words(streams.key, stream, int(n), device)
+            w = words(streams.current, stream, int(n), device)
             return torch.argsort(w, stable=True).to(out_dtype)
         return randperm
     return None
