@@ -5,7 +5,7 @@ import random
 import torch
 from torch.utils import _pytree as pytree
 
-from .streams import POOL, Window
+from .streams import POOL, Window, Windows
 
 HALF = torch.float16
 _MIN_EXP = -14          # smallest normal fp16 exponent; below it the spacing is fixed
@@ -130,7 +130,8 @@ class Rounding:
 class _RoundRows(torch.autograd.Function):
     """``stochastic_round`` of ``x`` from the window at ``start`` of ``pool``;
     under ``vmap`` (micro-batches run as one call, ``start`` one per row),
-    each row rounded as the serial order rounds it: the same values."""
+    the rows rounded at once, each from its own window (``Windows``): the
+    values the serial order gives them."""
 
     @staticmethod
     def forward(x, start, pool):
@@ -143,11 +144,12 @@ class _RoundRows(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, x, start, pool):
         x_dim, start_dim = in_dims[0], in_dims[1]
-        rows = [stochastic_round(x.select(x_dim, i) if x_dim is not None else x,
-                                 Window(pool, int(start.select(start_dim, i))
-                                        if start_dim is not None else int(start)))
-                for i in range(info.batch_size)]
-        return torch.stack(rows), 0
+        rows = info.batch_size
+        x = x.movedim(x_dim, 0) if x_dim is not None else x.expand((rows,) + x.shape)
+        starts = (start.movedim(start_dim, 0).tolist() if start_dim is not None
+                  else [int(start)] * rows)
+        n = x[0].numel()
+        return stochastic_round(x, Windows(pool, starts, n)), 0
 
 
 def result_stream(stream, j):

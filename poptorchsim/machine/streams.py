@@ -158,6 +158,32 @@ class Window:
         return self.pool[(self.start + positions) % POOL]
 
 
+class Windows:
+    """The bits of ``len(starts)`` results of ``n`` values each, stacked
+    (one per micro-batch of a batched call): value ``j`` of result ``i``
+    reads ``Window(pool, starts[i])``'s bit ``j``.  Rounding the stacked
+    results with these gives each the values it gets alone."""
+
+    def __init__(self, pool, starts, n):
+        self.rows = [Window(pool, s) for s in starts]
+        self.pool, self.n = pool, int(n)
+        self.starts = torch.tensor([w.start for w in self.rows], dtype=torch.int64,
+                                   device=pool.device)
+
+    def range(self, first, count):
+        parts, pos, end = [], first, first + count
+        while pos < end:
+            i, j = divmod(pos, self.n)
+            take = min(self.n - j, end - pos)
+            parts.append(self.rows[i].range(j, take))
+            pos += take
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def at(self, positions):
+        i, j = positions // self.n, positions % self.n
+        return self.pool[(self.starts[i] + j) % POOL]
+
+
 class Streams:
     """The random streams of one executable: its seed, the key of the
     micro-batch (or update, or inference call) running now, and
