@@ -3,6 +3,13 @@
 
 One run, one machine, timed interleaved:
 
+* **BERT demo_tiny_128**: Graphcore's configuration (``bert_demo_tiny.py``):
+  seconds per weight update of the IPU program in fp16 (half partials,
+  stochastic rounding, dropout), its micro-batches batched and serial, in
+  fp32, against eager fp32 PyTorch of the same model and batches.  Bars
+  (issue 33): fp16 at most 2x eager fp32; fp16 with dropout and stochastic
+  rounding at most 1.5x fp32.
+
 * **fp16 vs fp32**: host milliseconds per micro-batch of a training call
   through the simulator, the same model in fp16 (loss scaling 128) and in
   fp32, and plain PyTorch eager fp16 and fp32 on one micro-batch (forward,
@@ -50,7 +57,7 @@ class WithLoss(nn.Module):
         return out, self.loss(out.float(), y)
 
 
-def gpt2():
+def gpt2(dropout=0.0):
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
@@ -58,7 +65,7 @@ def gpt2():
     import transformers
     transformers.logging.set_verbosity_error()
     cfg = GPT2Config(n_layer=8, n_embd=128, n_head=4, vocab_size=1000, n_positions=128,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
     return (lambda: GPT2LMHeadModel(cfg), "lm",
             lambda n, g: (torch.randint(0, 1000, (4 * n, 64), generator=g),))
 
@@ -81,7 +88,7 @@ def _cast(batch, dtype):
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
 
 
-def simulated(spec, dtype, ga=1, rf=1, steps=8):
+def simulated(spec, dtype, ga=1, rf=1, steps=8, rounding=False):
     """Mean host ms per micro-batch over ``steps`` training calls after one
     warm-up (fp16 with 16 steps: the mean includes the calls in which the
     gradient watch counts, one micro-batch in 16)."""
@@ -91,6 +98,7 @@ def simulated(spec, dtype, ga=1, rf=1, steps=8):
     opts = poptorch.Options().showCompilationProgressBar(False).replicationFactor(rf)
     opts.Training.gradientAccumulation(ga)
     opts._Popart.setEngineOptions({"debug.allowOutOfMemory": "true"})
+    opts.Precision.enableStochasticRounding(rounding)
     scale = LOSS_SCALE if dtype == torch.half else 1.0
     tm = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=1e-3,
                                                                   loss_scaling=scale))
@@ -140,6 +148,21 @@ def precision_section(models, rows):
                   f"{e32:>10.1f} {e16:>10.1f} {e16 / s16:>13.2f}", flush=True)
 
 
+def random_section(rows):
+    """fp16 with dropout and stochastic rounding against fp32 with dropout:
+    both batch their micro-batches (counter-based random streams)."""
+    spec = gpt2(dropout=0.1)
+    if spec is None:
+        return
+    print("\nfp16 with dropout 0.1 and stochastic rounding vs fp32 with dropout: host ms per "
+          "micro-batch (GPT-2 config, accumulation 8); bar: at most 1.5x")
+    s32 = simulated(spec, torch.float, 8, steps=8)
+    s16 = simulated(spec, torch.half, 8, steps=8, rounding=True)
+    rows.append({"model": "gpt2_dropout", "ga": 8, "sim_fp32_ms": s32, "sim_fp16_sr_ms": s16})
+    print(f"{'gpt2':<10} fp32 {s32:.1f} ms, fp16+SR {s16:.1f} ms, ratio {s16 / s32:.2f}",
+          flush=True)
+
+
 def batching_section(models, rows):
     print("\nreplicas x accumulation: host ms per sample (micro-batch 8)")
     print(f"{'model':<10} {'rf x ga':>8} {'ms/sample':>10} {'vs 1x1':>7}")
@@ -171,6 +194,44 @@ def compile_section(names, rows):
               f"{r['make_fx_s']:>9.2f} {1e3 * r['make_fx_s'] / n:>15.2f}", flush=True)
 
 
+def bert_section(rows, reps=3):
+    """Graphcore's BERT ``demo_tiny_128`` (bert_demo_tiny.py): seconds per
+    weight update (16 micro-batches), timed interleaved: the IPU program in
+    fp16 (half partials, stochastic rounding, dropout) batched and serial,
+    in fp32, and eager fp32 PyTorch of the same model and batches."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("\nBERT demo_tiny_128: skipped (transformers is not installed)")
+        return
+    import bert_demo_tiny as bert
+    print("\nBERT demo_tiny_128 (hidden 64, 3 layers, seq 128, micro-batch 1 x 16, 4-IPU "
+          "pipeline): seconds per weight update, median of "
+          f"{reps}, interleaved; bars: fp16 batched <= 2x eager fp32, fp16 <= 1.5x fp32")
+    runs = {"sim fp16 batched": bert.sim_step(torch.half)[0],
+            "sim fp16 serial": bert.sim_step(torch.half, serial=True)[0],
+            "sim fp32 batched": bert.sim_step(torch.float)[0],
+            "eager fp32": bert.eager_step()[0]}
+    for run in runs.values():
+        run()                                   # warm-up
+    times = {k: [] for k in runs}
+    for _ in range(reps):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    eager32 = med["eager fp32"]
+    print(f"{'run':<18} {'s/step':>7} {'vs eager fp32':>13}")
+    for name, t in med.items():
+        print(f"{name:<18} {t:>7.3f} {t / eager32:>13.2f}")
+    print(f"fp16/fp32 (batched): {med['sim fp16 batched'] / med['sim fp32 batched']:.2f}; "
+          f"batched/serial (fp16): {med['sim fp16 batched'] / med['sim fp16 serial']:.2f}",
+          flush=True)
+    rows.append({"model": "bert_demo_tiny_128", **{k.replace(" ", "_") + "_s": v
+                                                    for k, v in med.items()}})
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -183,8 +244,10 @@ def main(argv=None):
     precision_models = {"resnet18": resnet18()}
     if not args.quick and gpt2() is not None:
         precision_models = {"gpt2": gpt2(), **precision_models}
-    out = {"precision": [], "batching": [], "compile": []}
+    out = {"bert": [], "precision": [], "batching": [], "compile": []}
+    bert_section(out["bert"])
     precision_section(precision_models, out["precision"])
+    random_section(out["precision"])
     batching_section({"mlp": mlp(), "resnet18": resnet18()}, out["batching"])
     import model_zoo
     names = ["resnet18", "resnet50", "gpt_block"] if args.quick else list(model_zoo.CASES)
