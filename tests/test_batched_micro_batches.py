@@ -148,6 +148,25 @@ def test_fp16_with_dropout_and_stochastic_rounding_batches_bit_for_bit():
     assert _identical(serial_weights, weights)
 
 
+def test_half_partials_batch_bit_for_bit():
+    """fp16 partial sums (their kernels write into buffers of their own, so
+    they carry a vmap rule: the micro-batches as a leading dimension) with
+    dropout and stochastic rounding: batched equals serial bit for bit."""
+    def configure(o):
+        o.Precision.enableStochasticRounding(True)
+        o.Precision.setPartialsType(torch.half)
+    _, serial_outs, serial_weights, _ = _train(False, nn.Dropout(0.3), configure=configure,
+                                               dtype=torch.float16)
+    tm, outs, weights, calls = _train(True, nn.Dropout(0.3), configure=configure,
+                                      dtype=torch.float16)
+    step = tm.getIR().graphs["training_step"]
+    assert any(op.partials == "half" for op in step.ops) and calls
+    assert tm._engine.batch_fn is not None          # no fallback to the serial order
+    for a, b in zip(serial_outs, outs):
+        assert _identical(a, b)
+    assert _identical(serial_weights, weights)
+
+
 def test_random_streams_repeat_from_the_seed_and_differ_between_seeds():
     seeded = lambda s: (lambda o: o.randomSeed(s))     # noqa: E731
     a = _train(True, nn.Dropout(0.5), configure=seeded(3))[2]
