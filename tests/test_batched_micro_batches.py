@@ -118,7 +118,7 @@ def test_dropout_batches_with_the_serial_order_masks():
     _, serial_outs, serial_weights, none = _train(False, nn.Dropout(0.5))
     tm, outs, weights, calls = _train(True, nn.Dropout(0.5))
     assert serial_reason(tm.getIR().graphs["training_step"]) is None
-    assert none == [] and calls == [GA * RF] * (DI * 2)
+    assert none == [] and calls == [GA * RF] * (DI * 2) and tm._engine.batch_fn is not None
     for a, b in zip(serial_outs, outs):
         for p, q in zip(a, b):
             torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
@@ -143,6 +143,7 @@ def test_fp16_with_dropout_and_stochastic_rounding_batches_bit_for_bit():
     tm, outs, weights, calls = _train(True, nn.Dropout(0.3), configure=sr, dtype=torch.float16)
     assert serial_reason(tm.getIR().graphs["training_step"]) is None
     assert sum(calls) >= 2 * DI * GA * RF - 2    # (the watch counts a micro-batch alone)
+    assert tm._engine.batch_fn is not None          # no fallback to the serial order
     for a, b in zip(serial_outs, outs):
         assert _identical(a, b)
     assert _identical(serial_weights, weights)
