@@ -18,6 +18,20 @@ def _key(*where):
     return S.derive_key(7, *where)
 
 
+def test_the_tensor_hash_is_the_integer_hash():
+    """mix32 on int32 tensors (wrapping products, masked shifts) gives the
+    integers' hash bit for bit, and a key as integers or as a tensor draws
+    the same words."""
+    values = [0, 1, 2 ** 31 - 1, 2 ** 31, 2 ** 32 - 1] + \
+        torch.randint(0, 2 ** 32, (1000,), dtype=torch.int64,
+                      generator=torch.Generator().manual_seed(0)).tolist()
+    as_int32 = torch.tensor([S._signed(v) for v in values], dtype=torch.int32)
+    assert S.unsigned(S.mix32(as_int32)).tolist() == [S.mix32_int(v) for v in values]
+    key = _key(3)
+    ints = (int(key[0]) & S.MASK32, int(key[1]) & S.MASK32)
+    assert torch.equal(S.words(key, 5, 1000), S.words(ints, 5, 1000))
+
+
 def test_uniform_numbers_are_uniform_and_keyed():
     u = S.uniform(_key(0), 3, (400_000,))
     assert u.dtype == torch.float32 and 0 <= u.min() and u.max() < 1

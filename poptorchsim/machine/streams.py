@@ -43,20 +43,23 @@ DROPPED = 1 << 13           # bits below fp16's mantissa in an fp32 (rounding.py
 aten = torch.ops.aten
 
 
-def _mul32(x, c):
-    """``x * c mod 2**32`` for int64 tensors ``x`` in [0, 2**32) and a
-    constant ``c`` < 2**32, without overflowing int64 (c in 16-bit halves)."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+def _signed(c):
+    """The int32 with the bits of the 32-bit unsigned ``c``."""
+    c &= MASK32
+    return c - (1 << 32) if c >= 1 << 31 else c
 
 
 def mix32(x):
     """A bijective 32-bit integer hash (Wellons' ``lowbias32``: xor-shifts and
-    two odd multipliers) of an int64 tensor with values in [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    two odd multipliers) of an int32 tensor holding 32-bit unsigned values
+    as their bits: int32 products wrap modulo 2**32 and the shifts are made
+    logical by masking, so that it computes ``mix32_int`` bit for bit
+    (``tests/test_random_streams.py`` checks it against the integers)."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _signed(0x846CA68B)
+    return x ^ ((x >> 16) & 0xFFFF)
 
 
 def mix32_int(x):
@@ -77,33 +80,42 @@ def _splitmix(x):
 
 
 def derive_key(*parts):
-    """Two 32-bit words from integers (seed, kind, call, ...), as an int64
-    tensor of shape [2]."""
+    """Two 32-bit words from integers (seed, kind, call, ...), as an int32
+    tensor of shape [2] (their bits)."""
     h = 0
     for p in parts:
         h = _splitmix(h ^ (int(p) & 0xFFFFFFFFFFFFFFFF))
-    return torch.tensor([h & MASK32, h >> 32], dtype=torch.int64)
+    return torch.tensor([_signed(h), _signed(h >> 32)], dtype=torch.int32)
 
 
 def _op_key(key, stream):
     """The key of one op's stream: the micro-batch's key mixed with the
-    op's id.  ``key``: a pair of Python integers, or an int64 tensor [2]
-    (a row of a batched call): the same words either way."""
+    op's id.  ``key``: a pair of Python integers in [0, 2**32), or an int32
+    tensor [2] (a row of a batched call): the same words either way (as
+    integers, or as int32 tensors holding their bits)."""
     s = int(stream) & MASK32
     salt0, salt1 = (s * 0x9E3779B1) & MASK32, mix32_int(s ^ 0x5BD1E995)
     if isinstance(key, tuple):
         return mix32_int(key[0] ^ salt0), mix32_int(key[1] ^ salt1)
-    return mix32(key[..., 0] ^ salt0), mix32(key[..., 1] ^ salt1)
+    return mix32(key[..., 0] ^ _signed(salt0)), mix32(key[..., 1] ^ _signed(salt1))
 
 
 def words(key, stream, n, device=None):
-    """``n`` uniform 32-bit integers (int64) of ``stream`` under ``key``:
-    element ``j`` is ``mix32(mix32(j ^ k0) ^ k1)`` for the op's key words."""
+    """``n`` uniform 32-bit integers of ``stream`` under ``key``, as an int32
+    tensor of their bits: element ``j`` is ``mix32(mix32(j ^ k0) ^ k1)`` for
+    the op's key words."""
     if isinstance(key, torch.Tensor) and device is not None:
         key = key.to(device)
     k0, k1 = _op_key(key, stream)
-    j = torch.arange(n, dtype=torch.int64, device=device)
+    if isinstance(k0, int):
+        k0, k1 = _signed(k0), _signed(k1)
+    j = torch.arange(n, dtype=torch.int32, device=device)
     return mix32(mix32(j ^ k0) ^ k1)
+
+
+def unsigned(w):
+    """int32 bits as the unsigned values (int64)."""
+    return w.to(torch.int64) & MASK32
 
 
 def uniform(key, stream, shape, device=None):
@@ -112,7 +124,7 @@ def uniform(key, stream, shape, device=None):
     for s in shape:
         n *= int(s)
     w = words(key, stream, n, device)
-    return ((w >> 8).to(torch.float32) * (1.0 / (1 << 24))).reshape(tuple(shape))
+    return (((w >> 8) & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24))).reshape(tuple(shape))
 
 
 def normal(key, stream, shape, device=None):
@@ -125,8 +137,9 @@ def normal(key, stream, shape, device=None):
 
 def loop_key(key, k):
     """The key of iteration ``k`` of a loop run under ``key``."""
-    step = torch.tensor(int(k) & MASK32, dtype=torch.int64)
-    return torch.stack([mix32(key[..., 0] ^ mix32(step)), mix32(key[..., 1] ^ step)], -1)
+    step = int(k) & MASK32
+    return torch.stack([mix32(key[..., 0] ^ _signed(mix32_int(step))),
+                        mix32(key[..., 1] ^ _signed(step))], -1)
 
 
 # random-class ops that draw nothing (their results follow from their operands)
@@ -237,7 +250,7 @@ class Streams:
         if self.batched:
             return self.key
         if self._ints[0] is not self.key:
-            self._ints = (self.key, (int(self.key[0]), int(self.key[1])))
+            self._ints = (self.key, (int(self.key[0]) & MASK32, int(self.key[1]) & MASK32))
         return self._ints[1]
 
     # -- random ops -------------------------------------------------------------------
@@ -262,7 +275,7 @@ class Streams:
         tensor."""
         k0, k1 = _op_key(self.current, stream)
         if self.batched:
-            return mix32(mix32(k0) ^ k1) % POOL
+            return unsigned(mix32(mix32(k0) ^ k1)) % POOL
         return mix32_int(mix32_int(k0) ^ k1) % POOL
 
     def window(self, stream, device=None):
@@ -346,13 +359,13 @@ def random_kernel(op, streams):
             n = 1
             for s in shape:
                 n *= s
-            w = words(streams.current, stream, n, device)
+            w = unsigned(words(streams.current, stream, n, device))
             return (low + w % max(int(high) - int(low), 1)).reshape(shape).to(out_dtype)
         return randint
     if name == "randperm" and overload in ("", "default"):
         def randperm(n, dtype=None, layout=None, device=None, pin_memory=None,
                      generator=None):
-            w = words(streams.current, stream, int(n), device)
+            w = unsigned(words(streams.current, stream, int(n), device))
             return torch.argsort(w, stable=True).to(out_dtype)
         return randperm
     return None
