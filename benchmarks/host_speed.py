@@ -281,9 +281,16 @@ def pod16_compile_section(rows):
         tm = build()[0]
         seconds = tm._compiled.compile_seconds
         micro = {"ResNet-50": 18, "BERT-Base": 32, "BERT-Large": 8}[name.split(" ")[0]]
-        floor = _step_make_fx_seconds(tm.model, inputs(micro))
+        try:
+            floor = _step_make_fx_seconds(tm.model, inputs(micro))
+        except Exception as e:  # noqa: BLE001 - a branch on values fake tensors cannot take
+            floor, why = None, type(e).__name__
         tm.destroy()
         rows.append({"model": name, "total_s": seconds, "make_fx_s": floor})
+        if floor is None:
+            print(f"{name:<28} {seconds:>9.2f}  make_fx with fake tensors fails ({why}: "
+                  "Hugging Face's mask code branches on values)", flush=True)
+            continue
         print(f"{name:<28} {seconds:>9.2f} {floor:>9.2f} {1.5 * floor + 1:>6.2f} "
               f"{seconds / floor:>6.2f}", flush=True)
 
