@@ -216,3 +216,44 @@ def test_a_bad_mode_is_a_clear_error():
     assert not opts.exists("random_streams")
     opts.randomStreams("eager")
     assert opts.random_streams == "eager"
+
+
+class Shuffles(nn.Module):
+    """randperm, randint and normal in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        x = x[torch.randperm(x.shape[0])]
+        x = x + torch.randint(0, 4, x.shape).float() * 0.01
+        x = x + torch.normal(torch.zeros_like(x), 0.1)
+        out = self.lin(x)
+        return out, nn.functional.cross_entropy(out, y)
+
+
+def test_randperm_randint_and_normal_draw_from_the_streams():
+    torch.manual_seed(0)
+    net = Shuffles()
+    x, y = torch.randn(4 * 6, 8), torch.randint(0, 3, (4 * 6,))
+    opts = quiet_options().randomSeed(2)
+    opts.Training.gradientAccumulation(6)
+    tm = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.0))
+    tm.compile(x, y)
+    ir = tm.getIR().graphs["training_step"]
+    drawn = {op.target.overloadpacket.__name__ for op in ir.ops
+             if op.cost_class == "random" and ir.streams.handles(op)}
+    assert {"randperm", "randint", "normal"} <= drawn
+    streams = ir.streams
+    streams.set("step", 0, 0, 0)
+    for op in ir.ops:
+        name = op.target.overloadpacket.__name__
+        if name == "randperm":
+            perm = S.random_kernel(op, streams)(4)
+            assert sorted(perm.tolist()) == [0, 1, 2, 3]
+        if name == "randint":
+            values = S.random_kernel(op, streams)(0, 4, [4000])
+            assert set(values.unique().tolist()) == {0, 1, 2, 3}
+    assert tm._engine.batch_fn is not None
+    tm(x, y)
