@@ -5,7 +5,7 @@ import random
 import torch
 from torch.utils import _pytree as pytree
 
-from .streams import POOL, Window, Windows
+from .streams import MASK32, POOL, Streams, Window, Windows, key_ints
 
 HALF = torch.float16
 _MIN_EXP = -14          # smallest normal fp16 exponent; below it the spacing is fixed
@@ -122,8 +122,7 @@ class Rounding:
 
     def round(self, x, stream=0):
         if self.streams.batched:        # a batched call: each row its own window
-            return _RoundRows.apply(x, self.streams.window_start(stream),
-                                    self.streams.pool(x.device))
+            return _RoundRows.apply(x, self.streams.key, stream, self.streams.pool(x.device))
         return stochastic_round(x, self.streams.window(stream, x.device))
 
 
@@ -134,20 +133,21 @@ class _RoundRows(torch.autograd.Function):
     values the serial order gives them."""
 
     @staticmethod
-    def forward(x, start, pool):
-        return stochastic_round(x, Window(pool, int(start)))
+    def forward(x, key, stream, pool):
+        return stochastic_round(x, Window(pool, Streams.window_start(key_ints(key), stream)))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         pass
 
     @staticmethod
-    def vmap(info, in_dims, x, start, pool):
-        x_dim, start_dim = in_dims[0], in_dims[1]
+    def vmap(info, in_dims, x, key, stream, pool):
+        x_dim, key_dim = in_dims[0], in_dims[1]
         rows = info.batch_size
         x = x.movedim(x_dim, 0) if x_dim is not None else x.expand((rows,) + x.shape)
-        starts = (start.movedim(start_dim, 0).tolist() if start_dim is not None
-                  else [int(start)] * rows)
+        keys = (key.movedim(key_dim, 0).tolist() if key_dim is not None
+                else [key.tolist()] * rows)
+        starts = [Streams.window_start((k0 & MASK32, k1 & MASK32), stream) for k0, k1 in keys]
         n = x[0].numel()
         return stochastic_round(x, Windows(pool, starts, n)), 0
 

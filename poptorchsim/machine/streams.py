@@ -89,28 +89,20 @@ def derive_key(*parts):
 
 
 def _op_key(key, stream):
-    """The key of one op's stream: the micro-batch's key mixed with the
-    op's id.  ``key``: a pair of Python integers in [0, 2**32), or an int32
-    tensor [2] (a row of a batched call): the same words either way (as
-    integers, or as int32 tensors holding their bits)."""
+    """The key of one op's stream: the micro-batch's key (two integers in
+    [0, 2**32)) mixed with the op's id."""
     s = int(stream) & MASK32
-    salt0, salt1 = (s * 0x9E3779B1) & MASK32, mix32_int(s ^ 0x5BD1E995)
-    if isinstance(key, tuple):
-        return mix32_int(key[0] ^ salt0), mix32_int(key[1] ^ salt1)
-    return mix32(key[..., 0] ^ _signed(salt0)), mix32(key[..., 1] ^ _signed(salt1))
+    return (mix32_int(key[0] ^ ((s * 0x9E3779B1) & MASK32)),
+            mix32_int(key[1] ^ mix32_int(s ^ 0x5BD1E995)))
 
 
 def words(key, stream, n, device=None):
-    """``n`` uniform 32-bit integers of ``stream`` under ``key``, as an int32
-    tensor of their bits: element ``j`` is ``mix32(mix32(j ^ k0) ^ k1)`` for
-    the op's key words."""
-    if isinstance(key, torch.Tensor) and device is not None:
-        key = key.to(device)
+    """``n`` uniform 32-bit integers of ``stream`` under ``key`` (two
+    integers), as an int32 tensor of their bits: element ``j`` is
+    ``mix32(mix32(j ^ k0) ^ k1)`` for the op's key words."""
     k0, k1 = _op_key(key, stream)
-    if isinstance(k0, int):
-        k0, k1 = _signed(k0), _signed(k1)
     j = torch.arange(n, dtype=torch.int32, device=device)
-    return mix32(mix32(j ^ k0) ^ k1)
+    return mix32(mix32(j ^ _signed(k0)) ^ _signed(k1))
 
 
 def unsigned(w):
@@ -135,11 +127,41 @@ def normal(key, stream, shape, device=None):
     return radius * torch.cos((2 * torch.pi) * u2)
 
 
+def key_ints(key):
+    """A key tensor's two words as integers in [0, 2**32)."""
+    return int(key[0]) & MASK32, int(key[1]) & MASK32
+
+
 def loop_key(key, k):
-    """The key of iteration ``k`` of a loop run under ``key``."""
+    """The key of iteration ``k`` of a loop run under ``key`` (a tensor)."""
+    k0, k1 = key_ints(key)
     step = int(k) & MASK32
-    return torch.stack([mix32(key[..., 0] ^ _signed(mix32_int(step))),
-                        mix32(key[..., 1] ^ _signed(step))], -1)
+    return torch.tensor([_signed(mix32_int(k0 ^ mix32_int(step))), _signed(mix32_int(k1 ^ step))],
+                        dtype=torch.int32)
+
+
+class _Rows(torch.autograd.Function):
+    """``fn(key words)``, a tensor drawn under ``key``; under ``vmap``
+    (micro-batches run as one call, ``key`` one row per micro-batch), ``fn``
+    once per row with that row's words, stacked: what each row draws
+    serially, with the keys hashed as integers rather than as batched
+    tensors (whose many tiny operations cost more than the draw)."""
+
+    @staticmethod
+    def forward(key, fn):
+        return fn(key_ints(key))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def vmap(info, in_dims, key, fn):
+        if in_dims[0] is None:
+            row = fn(key_ints(key))
+            return row.expand((info.batch_size,) + row.shape), 0
+        keys = key.movedim(in_dims[0], 0).tolist()
+        return torch.stack([fn((k0 & MASK32, k1 & MASK32)) for k0, k1 in keys]), 0
 
 
 # random-class ops that draw nothing (their results follow from their operands)
@@ -245,12 +267,9 @@ class Streams:
 
     @property
     def current(self):
-        """The key in force: a pair of integers, or (in a batched call) the
-        row's tensor."""
-        if self.batched:
-            return self.key
+        """The key in force, as two integers (not in a batched call)."""
         if self._ints[0] is not self.key:
-            self._ints = (self.key, (int(self.key[0]) & MASK32, int(self.key[1]) & MASK32))
+            self._ints = (self.key, key_ints(self.key))
         return self._ints[1]
 
     # -- random ops -------------------------------------------------------------------
@@ -269,19 +288,24 @@ class Streams:
             self._pools[device] = self._pools["cpu"].to(device)
         return self._pools[device]
 
-    def window_start(self, stream):
-        """Where result ``stream``'s window starts, under the key in force
-        (word 0 of its stream): an integer, or in a batched call the row's
-        tensor."""
-        k0, k1 = _op_key(self.current, stream)
+    def draw(self, fn):
+        """``fn(key words)`` under the key in force: in a batched call, once
+        per row with its own key (``_Rows``)."""
         if self.batched:
-            return unsigned(mix32(mix32(k0) ^ k1)) % POOL
+            return _Rows.apply(self.key, fn)
+        return fn(self.current)
+
+    @staticmethod
+    def window_start(key, stream):
+        """Where result ``stream``'s window starts under ``key`` (two
+        integers): word 0 of its stream."""
+        k0, k1 = _op_key(key, stream)
         return mix32_int(mix32_int(k0) ^ k1) % POOL
 
     def window(self, stream, device=None):
         """The ``Window`` of result ``stream`` under the key in force (not
         in a batched call: ``rounding.Rounding.round`` takes those)."""
-        return Window(self.pool(device), self.window_start(stream))
+        return Window(self.pool(device), self.window_start(self.current, stream))
 
 
 # -- the random ops, drawn from the streams ------------------------------------------------
@@ -302,10 +326,10 @@ def random_kernel(op, streams):
     shape, out_dtype, stream = _shape_of(op), op.outputs[0].dtype, op.id
 
     def draw_uniform(device):
-        return uniform(streams.current, stream, shape, device)
+        return streams.draw(lambda key: uniform(key, stream, shape, device))
 
     def draw_normal(device):
-        return normal(streams.current, stream, shape, device)
+        return streams.draw(lambda key: normal(key, stream, shape, device))
 
     if name == "native_dropout":
         def native_dropout(x, p, train=True):
@@ -359,13 +383,13 @@ def random_kernel(op, streams):
             n = 1
             for s in shape:
                 n *= s
-            w = unsigned(words(streams.current, stream, n, device))
+            w = streams.draw(lambda key: unsigned(words(key, stream, n, device)))
             return (low + w % max(int(high) - int(low), 1)).reshape(shape).to(out_dtype)
         return randint
     if name == "randperm" and overload in ("", "default"):
         def randperm(n, dtype=None, layout=None, device=None, pin_memory=None,
                      generator=None):
-            w = unsigned(words(streams.current, stream, int(n), device))
+            w = streams.draw(lambda key: unsigned(words(key, stream, int(n), device)))
             return torch.argsort(w, stable=True).to(out_dtype)
         return randperm
     return None
