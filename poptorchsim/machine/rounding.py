@@ -116,10 +116,6 @@ class Rounding:
     def __init__(self, streams):
         self.streams = streams
 
-    @property
-    def seed(self):
-        return self.streams.seed
-
     def round(self, x, stream=0):
         if self.streams.batched:        # a batched call: each row its own window
             return _RoundRows.apply(x, self.streams.key, stream, self.streams.pool(x.device))
@@ -127,10 +123,10 @@ class Rounding:
 
 
 class _RoundRows(torch.autograd.Function):
-    """``stochastic_round`` of ``x`` from the window at ``start`` of ``pool``;
-    under ``vmap`` (micro-batches run as one call, ``start`` one per row),
-    the rows rounded at once, each from its own window (``Windows``): the
-    values the serial order gives them."""
+    """``stochastic_round`` of ``x`` from result ``stream``'s window under
+    ``key`` in ``pool``; under ``vmap`` (micro-batches run as one call,
+    ``key`` one row per micro-batch), the rows rounded at once, each from
+    its own window (``Windows``): the values the serial order gives them."""
 
     @staticmethod
     def forward(x, key, stream, pool):

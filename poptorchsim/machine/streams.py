@@ -8,13 +8,14 @@ every inference call) gets a *key*, two 32-bit words derived from the seed,
 the call, the device iteration, the accumulation step and the replica
 (``Streams.key_of``).  An op draws from the stream of its key and its own id:
 element ``j`` of its draw is a keyed hash of ``j`` (``words``, two rounds of
-a 32-bit integer mix written in tensor arithmetic).  So
+a 32-bit integer mix, in int32 tensor arithmetic over ``j``; the key's words
+are mixed as Python integers).  So
 
 * a micro-batch draws the same numbers whether the micro-batches run one
   after another or as one ``torch.func.vmap`` call (the key is then one row
-  of a batched tensor, and the same arithmetic runs on every row): programs
-  with dropout and stochastic rounding batch their micro-batches as others
-  do (``batching.serial_reason``);
+  of a batched tensor; a draw's vmap rule, ``_Rows``, draws each row from
+  its own key): programs with dropout and stochastic rounding batch their
+  micro-batches as others do (``batching.serial_reason``);
 * the numbers are the same on every device (integer arithmetic; the CPU and
   a GPU compute the same hash);
 * a run repeats bit for bit from its seed.
