@@ -194,7 +194,7 @@ def compile_section(names, rows):
               f"{r['make_fx_s']:>9.2f} {r['total_s'] / r['make_fx_s']:>10.2f}", flush=True)
 
 
-def bert_section(rows, reps=3):
+def bert_section(rows, reps=5):
     """Graphcore's BERT ``demo_tiny_128`` (bert_demo_tiny.py): seconds per
     weight update (16 micro-batches), timed interleaved: the IPU program in
     fp16 (half partials, stochastic rounding, dropout) batched and serial,
