@@ -222,7 +222,7 @@ def test_a_bad_mode_is_a_clear_error():
 
 
 class Shuffles(nn.Module):
-    """randperm, randint and normal in forward."""
+    """randperm, randint, normal and uniform in forward."""
 
     def __init__(self):
         super().__init__()
@@ -232,11 +232,12 @@ class Shuffles(nn.Module):
         x = x[torch.randperm(x.shape[0])]
         x = x + torch.randint(0, 4, x.shape).float() * 0.01
         x = x + torch.normal(torch.zeros_like(x), 0.1)
+        x = x + torch.empty_like(x).uniform_(-0.01, 0.01)
         out = self.lin(x)
         return out, nn.functional.cross_entropy(out, y)
 
 
-def test_randperm_randint_and_normal_draw_from_the_streams():
+def test_randperm_randint_normal_and_uniform_draw_from_the_streams():
     torch.manual_seed(0)
     net = Shuffles()
     x, y = torch.randn(4 * 6, 8), torch.randint(0, 3, (4 * 6,))
@@ -247,7 +248,7 @@ def test_randperm_randint_and_normal_draw_from_the_streams():
     ir = tm.getIR().graphs["training_step"]
     drawn = {op.target.overloadpacket.__name__ for op in ir.ops
              if op.cost_class == "random" and ir.streams.handles(op)}
-    assert {"randperm", "randint", "normal"} <= drawn
+    assert {"randperm", "randint", "normal", "uniform"} <= drawn
     streams = ir.streams
     streams.set("step", 0, 0, 0)
     for op in ir.ops:
@@ -258,5 +259,8 @@ def test_randperm_randint_and_normal_draw_from_the_streams():
         if name == "randint":
             values = S.random_kernel(op, streams)(0, 4, [4000])
             assert set(values.unique().tolist()) == {0, 1, 2, 3}
+        if name == "uniform":
+            values = S.random_kernel(op, streams)(torch.zeros(op.outputs[0].shape), -0.01, 0.01)
+            assert -0.01 <= values.min() and values.max() < 0.01 and values.std() > 0.005
     assert tm._engine.batch_fn is not None
     tm(x, y)

@@ -5,11 +5,11 @@ import random
 import torch
 from torch.utils import _pytree as pytree
 
-from .streams import MASK32, POOL, Streams, Window, Windows, key_ints
+from .streams import DROPPED, MASK32, POOL, Streams, Window, Windows, draw_pool, key_ints
 
 HALF = torch.float16
 _MIN_EXP = -14          # smallest normal fp16 exponent; below it the spacing is fixed
-_DROPPED = 1 << 13      # fp32 carries 13 mantissa bits below fp16's (normal values)
+_DROPPED = DROPPED      # fp32 carries 13 mantissa bits below fp16's (normal values)
 _SMALLEST_NORMAL = 2.0 ** _MIN_EXP
 _NAN = 0x7FC00000       # fp32's quiet NaN: the largest |x| bits rounded (no carry into the sign)
 _EXACT_FROM = 1 << 16   # a larger tensor mostly of fp16 values rounds the others only
@@ -33,8 +33,7 @@ class RandomBits:
 
     def window(self, device=None):
         if self._pool is None:
-            g = torch.Generator().manual_seed(self.seed)
-            self._pool = torch.randint(0, _DROPPED, (POOL,), dtype=torch.int32, generator=g)
+            self._pool = draw_pool(self.seed)
         return Window(self._pool, self.offsets.randrange(POOL))
 
 

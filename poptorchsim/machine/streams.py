@@ -34,14 +34,13 @@ op's result reads ``pool[(start + j) mod POOL]``, the same in a serial and a
 batched run.
 """
 import hashlib
+import math
 
 import torch
 
 MASK32 = 0xFFFFFFFF
 POOL = 1 << 22              # stochastic rounding's pool of random integers
 DROPPED = 1 << 13           # bits below fp16's mantissa in an fp32 (rounding.py)
-
-aten = torch.ops.aten
 
 
 def _signed(c):
@@ -111,12 +110,16 @@ def unsigned(w):
     return w.to(torch.int64) & MASK32
 
 
+def draw_pool(seed):
+    """Stochastic rounding's pool: ``POOL`` uniform integers in [0, 2**13)
+    (int32) drawn from ``seed``."""
+    g = torch.Generator().manual_seed(int(seed))
+    return torch.randint(0, DROPPED, (POOL,), dtype=torch.int32, generator=g)
+
+
 def uniform(key, stream, shape, device=None):
     """float32 values in [0, 1) on a 2**-24 grid, of ``shape``."""
-    n = 1
-    for s in shape:
-        n *= int(s)
-    w = words(key, stream, n, device)
+    w = words(key, stream, math.prod(shape), device)
     return (((w >> 8) & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24))).reshape(tuple(shape))
 
 
@@ -280,13 +283,13 @@ class Streams:
 
     # -- stochastic rounding's bits -------------------------------------------------------
     def pool(self, device):
-        device = torch.device(device) if device is not None else torch.device("cpu")
+        """Stochastic rounding's pool on ``device`` (drawn once, copied to each device)."""
+        cpu = torch.device("cpu")
+        device = torch.device(device) if device is not None else cpu
+        if cpu not in self._pools:
+            self._pools[cpu] = draw_pool(self.seed)
         if device not in self._pools:
-            if "cpu" not in self._pools:
-                g = torch.Generator().manual_seed(self.seed)
-                self._pools["cpu"] = torch.randint(0, DROPPED, (POOL,), dtype=torch.int32,
-                                                   generator=g)
-            self._pools[device] = self._pools["cpu"].to(device)
+            self._pools[device] = self._pools[cpu].to(device)
         return self._pools[device]
 
     def draw(self, fn):
@@ -361,17 +364,11 @@ def random_kernel(op, streams):
             return (low + (high - low) * draw_uniform(x.device)).to(x.dtype)
         return uniform_
     if name == "normal" and overload in ("Tensor_float", "float_Tensor", "Tensor_Tensor",
-                                         "float_float", "functional"):
-        def normal_(*args, generator=None, dtype=None, layout=None, device=None,
-                    pin_memory=None, **kwargs):
-            if overload == "functional":          # normal(self, mean, std)
-                like, mean, std = args[0], args[1] if len(args) > 1 else 0.0, \
-                    args[2] if len(args) > 2 else 1.0
-                device = like.device
-            else:
-                mean, std = args[0], args[1]
-                tensors = [a for a in (mean, std) if isinstance(a, torch.Tensor)]
-                device = tensors[0].device if tensors else device
+                                         "float_float"):
+        def normal_(mean, std, *args, generator=None, dtype=None, layout=None, device=None,
+                    pin_memory=None):
+            tensors = [a for a in (mean, std) if isinstance(a, torch.Tensor)]
+            device = tensors[0].device if tensors else device
             return (mean + std * draw_normal(device)).to(out_dtype)
         return normal_
     if name == "randint":
@@ -381,9 +378,7 @@ def random_kernel(op, streams):
                 low, high = args[0], args[1]
             else:
                 low, high = 0, args[0]
-            n = 1
-            for s in shape:
-                n *= s
+            n = math.prod(shape)
             w = streams.draw(lambda key: unsigned(words(key, stream, n, device)))
             return (low + w % max(int(high) - int(low), 1)).reshape(shape).to(out_dtype)
         return randint
