@@ -35,6 +35,8 @@ from ._api import op_library as _op_library  # noqa: F401 - defines torch.ops.po
 from ._api.printing import module_repr, print  # noqa: A004 - PopTorch's poptorch.print
 from ._api.overlap import set_overlap_for_input, set_overlap_for_output
 from .runtime.executor import PoplarExecutor
+from .machine.host_device import choose as setHostDevice  # noqa: F401 - docs/host_device.md
+from .machine.host_device import current as hostDevice  # noqa: F401
 
 from .version import __version__  # noqa: F401 - re-exported
 logger = logging.getLogger("poptorchsim")

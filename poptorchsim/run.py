@@ -31,8 +31,8 @@ def parse(argv):
     p = argparse.ArgumentParser(
         prog="python -m poptorchsim.run",
         usage="%(prog)s [--num-instances P] [--num-replicas R] [--ipus-per-replica N] "
-              "[--master-port PORT] [--] script.py [args ...]\n"
-              "       %(prog)s -m module [args ...]",
+              "[--master-port PORT] [--device DEVICE] [--] script.py [args ...]\n"
+              "       %(prog)s [--device DEVICE] -m module [args ...]",
         description="Run a PopTorch program as several processes sharing its replicas "
                     "(the shape of poprun).")
     p.add_argument("--num-instances", type=int, default=None, metavar="P",
@@ -48,6 +48,9 @@ def parse(argv):
     p.add_argument("--master-port", type=int, default=None, metavar="PORT",
                    help="TCP port on localhost for the processes to meet "
                         "(default: a free one)")
+    p.add_argument("--device", default=None, metavar="DEVICE",
+                   help="the host device the simulator computes on: cpu (the default) or "
+                        "cuda (cuda:N); sets POPTORCHSIM_DEVICE for the program")
     p.add_argument("script", help="the Python program to run; the words after it are "
                                   "its arguments, passed on unchanged")
     p.add_argument("-m", dest="module", action="store_true",
@@ -56,10 +59,18 @@ def parse(argv):
     options, rest = _split(argv)
     args = p.parse_args(options + rest[:1])
     args.args = rest[1:]
+    if args.device is not None:
+        from .errors import Error
+        from .machine.host_device import _parse
+        try:
+            _parse(args.device, "--device")
+        except Error as e:
+            p.error(str(e))
     if args.module:
-        if options != ["-m"]:
+        others = [o for o in _without_device(options) if o != "-m"]
+        if others:
             p.error("-m runs a module in this process: it takes no launcher option "
-                    f"(got {' '.join(o for o in options if o != '-m')})")
+                    f"but --device (got {' '.join(others)})")
         args.here = True
         return args
     args.here = args.num_instances is None and args.num_replicas is None \
@@ -84,6 +95,19 @@ def parse(argv):
     return args
 
 
+def _without_device(options):
+    """The launcher's options less ``--device`` and its value."""
+    out, skip = [], False
+    for o in options:
+        if skip:
+            skip = False
+        elif o == "--device":
+            skip = True
+        elif not o.startswith("--device="):
+            out.append(o)
+    return out
+
+
 def _split(argv):
     """(the launcher's options, [script, its arguments...]): the script is
     the first word that is not an option or an option's value; a ``--``
@@ -100,6 +124,8 @@ def _split(argv):
 
 def main(argv=None):
     args = parse(sys.argv[1:] if argv is None else list(argv))
+    if args.device is not None:     # the program's processes compute there
+        os.environ["POPTORCHSIM_DEVICE"] = args.device
     if args.here:       # no launch: this process runs the script, its imports aliased
         from .distributed._worker import run_here
         return run_here(args.script, args.args, module=args.module)

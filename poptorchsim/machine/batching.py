@@ -24,6 +24,7 @@ import torch
 
 from ..ir.graph import Graph, Tensor
 from .codegen import compile_graph
+from . import vmap_rules
 from .streams import draws
 
 aten = torch.ops.aten
@@ -216,7 +217,7 @@ def _no_none(outs):
 
 def _row_by_row(kernel):
     def run(*args):
-        return _RowByRow.apply(kernel, *args)
+        return vmap_rules.apply(_RowByRow, kernel, *args)
     return run
 
 

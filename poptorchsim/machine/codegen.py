@@ -11,6 +11,7 @@ from collections import Counter
 import torch
 
 from ..ir.graph import Tensor
+from . import host_device
 from .fp_checks import checked, make_check
 from .kernels import as_strided, kernel_for
 from .precision import host_kernel
@@ -121,13 +122,14 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
     streams = streams if streams is not None else graph.streams
     glb = {}
     names = {}
+    traced = {}         # globals holding traced tensors and devices (``_place``)
     in_place = {} if fp_checks or not in_place else _in_place(graph)
 
     def name_of(t):
         if t.id not in names:
             names[t.id] = f"v{t.id}"
             if t.role == "const":
-                glb[names[t.id]] = t.value
+                glb[names[t.id]] = traced[names[t.id]] = t.value
         return names[t.id]
 
     def const(value):
@@ -135,6 +137,8 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
             return repr(value)
         key = f"_c{len(glb)}"
         glb[key] = value
+        if isinstance(value, (torch.Tensor, torch.device)):
+            traced[key] = value
         return key
 
     reads = set()
@@ -228,9 +232,24 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
             lines.append("    del " + ", ".join(sorted(dead)))
     lines.append("    return [" + ", ".join(name_of(t) for t in graph.outputs) + "]")
     source = "\n".join(lines)
+    device = host_device.current()
+    if device.type != "cpu":
+        _place(glb, traced, device)
     code = compile(source, f"<poptorchsim graph {graph.name}>", "exec")
     exec(code, glb)  # noqa: S102 - our own generated code
     run = glb["run"]
     run.source = source
     run.branches = branches
     return run
+
+
+def _place(glb, traced, device):
+    """Points a compiled graph's traced CPU tensors and devices (constants,
+    factory ops' ``device=``) at ``device``, the host device it runs on
+    (``host_device.py``): the graph itself, and so the IR, the estimate and
+    ``getIR()``, are the same on every host device."""
+    for key, value in traced.items():
+        if isinstance(value, torch.device):
+            glb[key] = device if value.type == "cpu" else value
+        elif value.device.type == "cpu":
+            glb[key] = value.to(device)

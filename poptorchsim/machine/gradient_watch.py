@@ -150,7 +150,7 @@ class GradientWatch:
                                                lo.double(), hi.double()]).tolist()
         if not (math.isfinite(lo) and math.isfinite(hi)):   # infinities, NaNs, overflow
             flat = wide.detach().float().abs().reshape(-1).contiguous()
-            classes = torch.bucketize(flat, _BOUNDS)
+            classes = torch.bucketize(flat, _BOUNDS.to(flat.device))
             c = torch.bincount(classes, minlength=5).tolist()
             m = torch.bincount(classes, weights=flat, minlength=5).tolist()
             self._add(name, n, c[0], c[1], c[3], c[3] + c[4], m[0] + m[1] + m[2] + m[3], m[1])

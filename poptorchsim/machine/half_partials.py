@@ -4,6 +4,8 @@ import functools
 
 import torch
 
+from . import vmap_rules
+
 aten = torch.ops.aten
 HALF = torch.float16
 PARTIALS_CHUNK = 16
@@ -67,7 +69,7 @@ def _few_chunks(a32, b32):
     chunks = -(-k // PARTIALS_CHUNK)
     if m <= n or chunks * m * n * a32.shape[0] <= _BLOCK:
         return run(a32)
-    out = torch.empty(a32.shape[0], m, n, dtype=HALF)
+    out = torch.empty(a32.shape[0], m, n, dtype=HALF, device=a32.device)
     for rows in _spans(m, chunks * n * a32.shape[0]):
         out[:, rows] = run(a32[:, rows])
     return out
@@ -94,13 +96,14 @@ def _running_sums(a32, b32, slices):
     if m > 1 and n > 1 and chunks * sums * m * n <= _BLOCK:   # all fit in cache: one matmul
         products = torch.bmm(a.flatten(0, 1), b.flatten(0, 1)).unflatten(0, (chunks, sums))
         return _accumulate_half(products.unbind(0)).view(a32.shape[0], slices, m, n)
-    acc = torch.empty(sums, m, n, dtype=HALF)
+    acc = torch.empty(sums, m, n, dtype=HALF, device=a32.device)
     if m >= n:
         blocks = [(rows, slice(None)) for rows in _spans(m, sums * n)]
     else:
         blocks = [(slice(None), cols) for cols in _spans(n, sums * m)]
     first = acc[:, blocks[0][0], blocks[0][1]]
-    total, scratch = torch.empty(first.numel()), torch.empty(first.numel())
+    total = torch.empty(first.numel(), device=a32.device)
+    scratch = torch.empty(first.numel(), device=a32.device)
     for rows, cols in blocks:
         part = acc[:, rows, cols]
         block = total[:part.numel()].view(part.shape)
@@ -176,7 +179,7 @@ def half_partials_mm(a, b):
     pairwise in fp16 (the cross-tile reduction)."""
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     if a.shape[-1] == 0:                        # an empty reduction sums to zero
-        return torch.zeros(lead + (a.shape[-2], b.shape[-1]), dtype=HALF)
+        return torch.zeros(lead + (a.shape[-2], b.shape[-1]), dtype=HALF, device=a.device)
     a32 = a.float().expand(lead + a.shape[-2:]).reshape((-1,) + a.shape[-2:])
     b32 = b.float().expand(lead + b.shape[-2:]).reshape((-1,) + b.shape[-2:])
     out = _tree_sum_half(_slice_partials(a32, b32))
@@ -257,8 +260,8 @@ class _Batched(torch.autograd.Function):
 
 def _batchable(kernel, fold):
     def run(*args, **kwargs):
-        return _Batched.apply(functools.partial(kernel, **kwargs) if kwargs else kernel,
-                              fold, *args)
+        return vmap_rules.apply(_Batched, functools.partial(kernel, **kwargs) if kwargs
+                                else kernel, fold, *args)
     return run
 
 

@@ -31,7 +31,7 @@ def as_strided(x, size, stride, offset=None, *, traced):
     traced layout first, so the same elements are read."""
     shape, in_stride, in_offset = traced
     if tuple(x.stride()) != in_stride or x.storage_offset() != in_offset:
-        y = torch.empty_strided(shape, in_stride, dtype=x.dtype)
+        y = torch.empty_strided(shape, in_stride, dtype=x.dtype, device=x.device)
         y.copy_(x)
         offset = (offset if offset is not None else in_offset) - in_offset
         return aten.as_strided.default(y, size, stride, offset)

@@ -162,10 +162,12 @@ class LossScale:
 
     def update_inputs(self):
         """The loss-scale update op's inputs: statistics, factor, loss scaling, counter."""
+        device = self.factor.device         # the host device (host_device.py)
         stats = self.statistics if self.statistics is not None else \
-            torch.zeros(2, dtype=torch.int64)
+            torch.zeros(2, dtype=torch.int64, device=device)
         return [stats.to(torch.int32), self.factor,
-                torch.tensor(self.loss_scaling, dtype=torch.float32), self.counter]
+                torch.tensor(self.loss_scaling, dtype=torch.float32, device=device),
+                self.counter]
 
     def apply(self, state, new_factor):
         """The update graph's new factor takes effect for the next step; the
@@ -182,7 +184,8 @@ class LossScale:
         """``state``'s loss-scale tensors moved from scale ``old`` to ``final``."""
         new = self.final
         if getattr(state, "step_extra", None):
-            state.step_extra[0] = torch.tensor(new, dtype=torch.float32)
+            state.step_extra[0] = torch.tensor(new, dtype=torch.float32,
+                                               device=state.step_extra[0].device)
         state.grad_scale = state.grad_scale * (old / new)
         if getattr(state, "combined_scale", None) is not None:
             state.combined_scale = [c * (old / new) for c in state.combined_scale]

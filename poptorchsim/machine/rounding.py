@@ -5,12 +5,14 @@ import random
 import torch
 from torch.utils import _pytree as pytree
 
+from . import vmap_rules
 from .streams import DROPPED, MASK32, POOL, Streams, Window, Windows, draw_pool, key_ints
 
 HALF = torch.float16
 _MIN_EXP = -14          # smallest normal fp16 exponent; below it the spacing is fixed
 _DROPPED = DROPPED      # fp32 carries 13 mantissa bits below fp16's (normal values)
 _SMALLEST_NORMAL = 2.0 ** _MIN_EXP
+_SIGN = -(1 << 31)     # fp32's sign bit, as an int32
 _NAN = 0x7FC00000       # fp32's quiet NaN: the largest |x| bits rounded (no carry into the sign)
 _EXACT_FROM = 1 << 16   # a larger tensor mostly of fp16 values rounds the others only
 _ROW = 64               # (by rows of this many values)
@@ -74,35 +76,43 @@ def stochastic_round(x, bits):
     return out.view(x.shape)
 
 
-def _dense(x, bits):
-    """``stochastic_round`` of every value of ``x`` (fp32, contiguous)."""
+def _dense(x, bits, out=None):
+    """``stochastic_round`` of every value of ``x`` (fp32, contiguous),
+    into the fp16 ``out`` when given."""
     if x.numel() > _BLOCK:         # block by block: each block's temporaries stay in cache
-        flat, out = x.view(-1), torch.empty(x.shape, dtype=HALF, device=x.device)
-        for k, (part, into) in enumerate(zip(flat.split(_BLOCK),
+        out = torch.empty(x.shape, dtype=HALF, device=x.device) if out is None else out
+        for k, (part, into) in enumerate(zip(x.view(-1).split(_BLOCK),
                                              out.view(-1).split(_BLOCK))):
-            into.copy_(_round_block(part, bits.range(k * _BLOCK, part.numel())))
+            _round_block(part, bits.range(k * _BLOCK, part.numel()), into)
         return out
-    return _round_block(x, bits.range(0, x.numel()).view(x.shape))
+    return _round_block(x, bits.range(0, x.numel()).view(x.shape), out)
 
 
-def _round_block(x, r):
+def _round_block(x, r, out=None):
     """``stochastic_round`` of a dense fp32 block with its bits ``r``, in
-    place on its temporaries."""
+    place on its temporaries (into the fp16 ``out`` when given).  The sign
+    is set aside as bits and put back as bits (``copysign`` costs as much
+    as four of these passes)."""
     r = r.view(x.shape)
+    sign = torch.bitwise_and(x.view(torch.int32), _SIGN)
     a = x.abs()
-    # 2**-14 for subnormals, else 0 (a comparison written as floats: bool tensors are slow)
-    shift = torch.lt(a, _SMALLEST_NORMAL, out=torch.empty_like(a)).mul_(_SMALLEST_NORMAL)
+    # 1 for subnormals, else 0 (a comparison written as floats: bool tensors are slow)
+    small = torch.lt(a, _SMALLEST_NORMAL, out=torch.empty_like(a))
+    bits = a.add_(small, alpha=_SMALLEST_NORMAL).view(torch.int32)
     # a NaN's bits lowered to the quiet NaN's, so that adding r cannot carry into the sign
-    a.add_(shift).view(torch.int32).clamp_(max=_NAN).add_(r).bitwise_and_(-_DROPPED)
-    return torch.copysign(a.sub_(shift), x, out=a).to(HALF)
+    bits.clamp_(max=_NAN).add_(r).bitwise_and_(-_DROPPED)
+    a.sub_(small, alpha=_SMALLEST_NORMAL).view(torch.int32).bitwise_or_(sign)
+    if out is None:
+        return a.to(HALF)
+    return out.copy_(a)
 
 
-def _mostly_exact(x, stride=61):
+def _mostly_exact(x, samples=4096):
     """Does fp16 hold at least three quarters of ``x``'s values exactly?
-    Judged from every ``stride``-th value (the answer only picks the faster
-    of two ways of rounding, which round alike: fp16 values kept, the
-    others to a neighbour)."""
-    sample = x.view(-1)[::stride]
+    Judged from about ``samples`` values evenly strided (the answer only
+    picks the faster of two ways of rounding, which round alike: fp16
+    values kept, the others to a neighbour)."""
+    sample = x.view(-1)[::max(61, x.numel() // samples | 1)]
     exact = torch.eq(sample.to(HALF).float(), sample)
     return int(torch.count_nonzero(exact)) * 4 >= sample.numel() * 3
 
@@ -117,7 +127,8 @@ class Rounding:
 
     def round(self, x, stream=0):
         if self.streams.batched:        # a batched call: each row its own window
-            return _RoundRows.apply(x, self.streams.key, stream, self.streams.pool(x.device))
+            return vmap_rules.apply(_RoundRows, x, self.streams.key, stream,
+                                    self.streams.pool(x.device))
         return stochastic_round(x, self.streams.window(stream, x.device))
 
 

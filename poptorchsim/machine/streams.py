@@ -38,6 +38,8 @@ import math
 
 import torch
 
+from . import vmap_rules
+
 MASK32 = 0xFFFFFFFF
 POOL = 1 << 22              # stochastic rounding's pool of random integers
 DROPPED = 1 << 13           # bits below fp16's mantissa in an fp32 (rounding.py)
@@ -296,7 +298,7 @@ class Streams:
         """``fn(key words)`` under the key in force: in a batched call, once
         per row with its own key (``_Rows``)."""
         if self.batched:
-            return _Rows.apply(self.key, fn)
+            return vmap_rules.apply(_Rows, self.key, fn)
         return fn(self.current)
 
     @staticmethod

@@ -16,8 +16,9 @@ import torch.utils._pytree as pytree
 from .. import enums
 from ..capture.scopes import module_name_scopes
 from ..errors import Error, FloatingPointException
+from ..machine import host_device
 from ..machine.engine import Engine, OutputCollector
-from . import cache, compiler, export, log_repeats, observe
+from . import cache, compiler, export, lazy_weights, log_repeats, observe
 from . import optimizer_checks as opt_checks
 from .config import CompileConfig, output_mode
 from .engine_options import profiling_directory
@@ -145,6 +146,8 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
             (args, kwargs))
         o = self._options
         config = CompileConfig.from_options(o, self._training)
+        # the host device its graphs are compiled for (their constants placed there)
+        self._weights.device = host_device.current()
         if config.precision["running_statistics_always_float"]:
             keep_running_statistics_float(self._user_model)
         if self._training:
@@ -199,6 +202,8 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
             return
         self._upload()
         self._attached = True
+        if self._training and self._weights.apart:
+            lazy_weights.install(self._user_model, self)
 
     def _process_group(self):
         """The gloo group of a distributed training run (``Options.Distributed``),
@@ -370,6 +375,9 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
             self._keep_optimizer_state(self._optimizer)
         if self._training and hasattr(self._optimizer, "_use_on_device"):
             self._optimizer._use_on_device(None)
+        if self._weights.dirty:             # the model gets the trained weights first
+            self.copyWeightsToHost()
+        lazy_weights.remove(self._user_model)
         self._release()
         self._destroyed = True
         m = self._user_model
@@ -411,7 +419,8 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         if not self._training and self._weights.stale():
             self.copyWeightsToDevice()
         di, ga, rf = self._factors()
-        inputs = self._inputs.layout(leaves, di, ga, rf)
+        inputs = host_device.send(self._inputs.layout(leaves, di, ga, rf),
+                                  self._weights.device)
         mode = self._output_mode
         collector = OutputCollector(mode.name, self._options.output_return_period, di, ga, rf)
         self._record_perf(len(inputs), di, ga, rf)
@@ -432,7 +441,10 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
             raise
         if self._training:
             self._has_run = True
-            self._weights.download(self._compiled, fresh=False)
+            if self._weights.apart:
+                self._weights.dirty = True      # copied back when the model is read
+            else:
+                self._weights.download(self._compiled, fresh=False)
             self._gradients.finish(self._compiled)
         self._inputs.write_back(self._engine.written)
         self._observe.finish(self._compiled)
@@ -455,7 +467,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
                 t = t.int()
             elif t.dtype == torch.float64:
                 t = t.float()
-            t = t.detach()
+            t = t.detach().cpu()                # outputs come back to the host
             t.backward = _raise_backward
             outs.append(t)
         leaves = [outs[d[1]] if d[0] == "tensor" else d[1] for d in cap.output_leaves]

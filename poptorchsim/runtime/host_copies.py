@@ -49,7 +49,12 @@ class _HostCopies:
 
     def copyWeightsToHostIfNeeded(self):
         """True if the host's weights were out of date and have been updated,
-        False if they were up to date.  The simulator copies the trained
-        weights into the model after every call, so they are never out of
-        date: always False."""
-        return False
+        False if they were up to date.  On the CPU the trained weights are
+        the model's own after every call (always False); on a CUDA host
+        device they are copied when the model is read (``lazy_weights.py``)
+        or here."""
+        weights = vars(self).get("_weights")
+        if weights is None or not weights.dirty or vars(self).get("_compiled") is None:
+            return False
+        weights.download(self._compiled, fresh=False)
+        return True

@@ -274,4 +274,5 @@ class Observation:
 
     def anchored(self, short_name):
         assert short_name in self.values, f"No tensor with name {short_name} found."
-        return self.values[short_name]
+        value = self.values[short_name]
+        return value.cpu() if isinstance(value, torch.Tensor) else value     # to the host

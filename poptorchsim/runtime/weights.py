@@ -3,7 +3,11 @@ its transfers to and from the host model (PopTorch's ``copyWeightsToDevice``
 and ``copyWeightsToHost``).
 
 A training model's device weights live in the host parameters' memory: the
-update writes them in place, so nothing is copied back after a call.  The
+update writes them in place, so nothing is copied back after a call.  On a
+CUDA host device (``machine/host_device.py``) the device state is a copy on
+that device; after a training call the user's model is out of date until it
+is read (``lazy_weights.py``: its modules' parameters, buffers, ``forward``,
+``state_dict``) or ``copyWeightsToHost()`` is called, as in PopTorch.  The
 optimizer state is held as the compiled update graph reads it (one list of
 slots per trainable parameter, sharded where the program shards it); the
 hyperparameters are float64 device scalars, so a new learning rate needs no
@@ -14,6 +18,7 @@ folded into ``grad_scale`` (the update divides the gradients by it).
 import torch
 
 from .. import enums
+from ..machine import host_device
 from ..machine.engine import shard, unshard
 from ..machine.precision import LossScale
 from . import optimizer_state as opt_layout
@@ -57,6 +62,12 @@ class DeviceState:
             ls.factor, ls.counter, ls.statistics, ls.history = scale
 
 
+def separate_copy(device):
+    """Does the device state live apart from the user's model (a CUDA host
+    device), rather than in its parameters' memory (the CPU)?"""
+    return device.type != "cpu"
+
+
 def same_memory(a, b):
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() \
         and a.shape == b.shape and a.dtype == b.dtype
@@ -75,6 +86,13 @@ class DeviceWeights:
         self._host_tensors = None       # (params, buffers) of the user's model, by name
         self.group = None               # distributed: the gloo process group
         self._broadcast_done = False
+        self.device = torch.device("cpu")   # the host device (set when compiled)
+        self.dirty = False              # the device holds weights the model lacks
+
+    @property
+    def apart(self):
+        """Does the device state live apart from the user's model?"""
+        return separate_copy(self.device)
 
     def release(self):
         """Forgets the device copy (the executor's ``destroy()``)."""
@@ -103,7 +121,8 @@ class DeviceWeights:
         cap = compiled.capture
         host_params, host_buffers = self._host(cap)
         st = self.state
-        st.params = [p.detach() if self.training else p.detach().clone() for p in host_params]
+        st.params = [p.detach().to(self.device, copy=True) if self.apart or not self.training
+                     else p.detach() for p in host_params]
         first = [b.detach().clone() for b in host_buffers]
         if self.group is not None and not self._broadcast_done:
             # every process starts from process 0's weights and buffers (as popdist does)
@@ -120,6 +139,24 @@ class DeviceWeights:
                 self.load_optimizer_state(compiled, optimizer)
         self.uploaded_version = getattr(self.model, "_poptorchsim_version", 0)
         self._host_tensors = (host_params, host_buffers)
+        self.dirty = False
+        self._place()
+
+    def _place(self):
+        """The device state's tensors onto the host device (those already
+        there are kept)."""
+        st, device = self.state, self.device
+        if device.type == "cpu":
+            return
+        for name in ("params", "buffers", "opt_state", "steps", "hyper", "grad_scale",
+                     "step_extra", "combined_scale"):
+            value = getattr(st, name)
+            if value is not None:
+                setattr(st, name, host_device.to(value, device))
+        scale = st.loss_scale
+        if scale is not None:
+            scale.factor, scale.counter, scale.statistics = host_device.to(
+                (scale.factor, scale.counter, scale.statistics), device)
 
     def upload_buffers(self, compiled, names):
         """Host -> device: the buffers ``names`` alone, on every replica
@@ -130,7 +167,7 @@ class DeviceWeights:
         for name in names:
             value = host[name].detach()
             for replica in self.state.buffers:
-                replica[order.index(name)] = value.clone()
+                replica[order.index(name)] = value.to(self.device, copy=True)
 
     def _settings(self, optimizer):
         return read_settings(optimizer, self.options.Training.auto_loss_scaling)
@@ -164,6 +201,7 @@ class DeviceWeights:
         self.load_hyperparameters(compiled, optimizer)
         if getattr(optimizer, "ipu_state_is_dirty", False):
             self.write_device_state(compiled, optimizer)
+        self._place()
 
     def load_hyperparameters(self, compiled, optimizer):
         """Host -> device: the hyperparameters (float64 scalars), the loss
@@ -196,6 +234,7 @@ class DeviceWeights:
         self.state.combined_scale = (
             [opt_layout.combined_scale(plan, values[g], g, mean_factor, ls)
              for g in compiled.group_of] if plan.into_state else None)
+        self._place()
 
     def _final_loss_scale(self, compiled, loss_scaling):
         """The loss scale the device uses: ``loss_scaling``, times the update
@@ -224,11 +263,11 @@ class DeviceWeights:
                                                 self.state.opt_state, self.state.steps):
             for s, v in zip(written, slots):
                 v = unshard(v, params[n].shape) if n in c.shards else v
-                ipu_state[s.ipu_name + n] = v.detach().clone()
-            ipu_state["Step___" + n] = step.clone()
+                ipu_state[s.ipu_name + n] = v.detach().to("cpu", copy=True)
+            ipu_state["Step___" + n] = step.to("cpu", copy=True)
         ipu_param = self._popart_params(c, optimizer)
         if self.state.loss_scale is not None:
-            ipu_state["lossScaleUpdateFactor"] = self.state.loss_scale.factor.clone()
+            ipu_state["lossScaleUpdateFactor"] = self.state.loss_scale.factor.to("cpu", copy=True)
         return {"ipu_state": ipu_state, "ipu_param": ipu_param}
 
     def _popart_params(self, compiled, optimizer):
@@ -289,6 +328,7 @@ class DeviceWeights:
             scale.factor = factor.detach().float().reshape(()).clone()
             scale.set_scale(self.state, old)
         optimizer.ipu_state_is_dirty = False
+        self._place()
 
     def optimizer_state_to_host(self, compiled, optimizer):
         """Device -> host: torch's state of each parameter (``host_slot``;
@@ -308,16 +348,17 @@ class DeviceWeights:
             entry = optimizer.state[p]
             for s, v in zip(written, slots):
                 v = unshard(v, p.shape) if n in c.shards else v
-                key, value = opt_layout.host_slot(c.plan, s, v, values[grp], grp, ls)
+                key, value = opt_layout.host_slot(c.plan, s, v.cpu(), values[grp], grp, ls)
                 entry[key] = value
             if c.plan.kind not in ("sgd", "sgd_combined"):
-                entry["step"] = step.clone()
+                entry["step"] = step.to("cpu", copy=True)
 
     def download(self, compiled, fresh=True):
         """Device -> host: weights and buffers.  ``fresh``: look the host
         tensors up by name (the user may have replaced one); after a training
         call, those of the last upload."""
         cap = compiled.capture
+        self.dirty = False              # first: reading the model below must not recurse
         if fresh or self._host_tensors is None:
             self._host_tensors = self._host(cap)
         host_params, host_buffers = self._host_tensors
@@ -326,7 +367,7 @@ class DeviceWeights:
             for i, (host, v) in enumerate(zip(host_params, st.params)):
                 if not same_memory(host, v):
                     host.copy_(v)
-                    if self.training:
+                    if self.training and host.device == v.device:
                         st.params[i] = host.detach()
             for host, v in zip(host_buffers, st.buffers[0]):
                 host.copy_(v)
