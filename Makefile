@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench tutorials clean
+.PHONY: run test bench gpu-check tutorials clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/host_speed.py
 	$(BIN)/python benchmarks/planner.py --json benchmarks/out/planner.json
 	$(BIN)/python benchmarks/meta_compile.py
+
+# the CUDA host device's check (issue 33): parity, speed against eager CUDA, and with
+# EXAMPLES=/path/to/graphcore/examples Graphcore's BERT demo_tiny_128 and ViT
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py $(if $(EXAMPLES),--examples $(EXAMPLES))
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -88,10 +88,19 @@ def _cast(batch, dtype):
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
 
 
-def simulated(spec, dtype, ga=1, rf=1, steps=8, rounding=False):
+def simulated(spec, dtype, ga=1, rf=1, steps=8, rounding=False, device="cpu"):
     """Mean host ms per micro-batch over ``steps`` training calls after one
     warm-up (fp16 with 16 steps: the mean includes the calls in which the
-    gradient watch counts, one micro-batch in 16)."""
+    gradient watch counts, one micro-batch in 16); ``device``: the host
+    device (``poptorchsim.setHostDevice``)."""
+    poptorch.setHostDevice(device)
+    try:
+        return _simulated(spec, dtype, ga, rf, steps, rounding)
+    finally:
+        poptorch.setHostDevice(None)
+
+
+def _simulated(spec, dtype, ga, rf, steps, rounding):
     build, kind, data = spec
     torch.manual_seed(0)
     model = WithLoss(build().to(dtype), kind)
@@ -113,22 +122,26 @@ def simulated(spec, dtype, ga=1, rf=1, steps=8, rounding=False):
     return 1e3 * statistics.fmean(times) / (ga * rf)
 
 
-def eager(spec, dtype, steps=3):
-    """Median ms of one eager forward, backward and SGD step on one micro-batch."""
+def eager(spec, dtype, steps=3, device="cpu"):
+    """Median ms of one eager forward, backward and SGD step on one
+    micro-batch (on ``device``)."""
     build, kind, data = spec
     torch.manual_seed(0)
-    model = WithLoss(build().to(dtype), kind)
+    model = WithLoss(build().to(dtype), kind).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    batch = _cast(data(1, torch.Generator().manual_seed(0)), dtype)
+    batch = [t.to(device) for t in _cast(data(1, torch.Generator().manual_seed(0)), dtype)]
     scale = LOSS_SCALE if dtype == torch.half else 1.0
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     times = []
     for _ in range(steps + 1):
+        sync()
         t0 = time.perf_counter()
         opt.zero_grad()
         out = model(*batch)
         loss = out if kind == "lm" else out[1]
         (loss * scale).backward()
         opt.step()
+        sync()
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times[1:])
 
