@@ -76,16 +76,15 @@ def stochastic_round(x, bits):
     return out.view(x.shape)
 
 
-def _dense(x, bits, out=None):
-    """``stochastic_round`` of every value of ``x`` (fp32, contiguous),
-    into the fp16 ``out`` when given."""
+def _dense(x, bits):
+    """``stochastic_round`` of every value of ``x`` (fp32, contiguous)."""
     if x.numel() > _BLOCK:         # block by block: each block's temporaries stay in cache
-        out = torch.empty(x.shape, dtype=HALF, device=x.device) if out is None else out
+        out = torch.empty(x.shape, dtype=HALF, device=x.device)
         for k, (part, into) in enumerate(zip(x.view(-1).split(_BLOCK),
                                              out.view(-1).split(_BLOCK))):
             _round_block(part, bits.range(k * _BLOCK, part.numel()), into)
         return out
-    return _round_block(x, bits.range(0, x.numel()).view(x.shape), out)
+    return _round_block(x, bits.range(0, x.numel()).view(x.shape))
 
 
 def _round_block(x, r, out=None):

@@ -352,7 +352,9 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         self._require_compiled()
         if not self._attached:
             raise Error("Device is not attached")
-        if self._training:      # the weights are on the host after every call
+        if self._training:      # the weights are on the host after every call (CPU)
+            if self._weights.dirty:         # or copied now (CUDA host device)
+                self._weights.download(self._compiled, fresh=False)
             self._keep_optimizer_state(self._optimizer)
         self._attached = False
 

@@ -99,6 +99,7 @@ class DeviceWeights:
         self.state = DeviceState()
         self._host_tensors = None
         self.uploaded_version = -1
+        self.dirty = False
         self._broadcast_done = False
 
     def _replicas(self):
