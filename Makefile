@@ -13,6 +13,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet -e ".[examples,dev]"
 	$(BIN)/pip install --quiet -e ".[transformers]" || echo "transformers not installed: the Hugging Face tests will skip"
 	$(BIN)/pip install --quiet -e ".[timm]" || echo "timm not installed: the timm model-hub tests will skip"
+	$(BIN)/pip install --quiet -e ".[fast]" || echo "numba not installed: stochastic rounding runs as PyTorch operations"
 	touch $(STAMP)
 
 run: $(STAMP)

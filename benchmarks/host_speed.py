@@ -263,9 +263,14 @@ def _step_make_fx_seconds(module, batch):
 
     def step(p, b, *inputs):
         return grad_and_value(lambda p, b: loss(p, b, inputs))(p, b)
+    from poptorchsim.capture.decompositions import tracing_backends
     start = time.perf_counter()
-    make_fx(functionalize(step, remove="mutations"), tracing_mode="fake")(params, buffers,
-                                                                         *batch)
+    # the kernels the simulator traces (attention by its math formulation) and, as under
+    # torch.export, torch.compiler.is_exporting(): Hugging Face's mask code then builds
+    # its masks without reading their values, which fake tensors do not have
+    with tracing_backends():
+        make_fx(functionalize(step, remove="mutations"), tracing_mode="fake")(params, buffers,
+                                                                             *batch)
     return time.perf_counter() - start
 
 

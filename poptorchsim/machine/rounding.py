@@ -62,6 +62,11 @@ def stochastic_round(x, bits):
     if hasattr(bits, "window"):
         bits = bits.window(x.device)
     x = x.float().contiguous()
+    if x.device.type == "cpu" and isinstance(bits, (Window, Windows)) and _compiled():
+        # one compiled pass (sr_kernel.py): every value, the same bits, the same result
+        rows = bits.rows if isinstance(bits, Windows) else [bits]
+        n = bits.n if isinstance(bits, Windows) else x.numel()
+        return sr_kernel.round_rows(x, bits.pool, [w.start for w in rows], n)
     if x.numel() < _EXACT_FROM or not _mostly_exact(x):
         return _dense(x, bits)
     flat = x.view(-1)
@@ -74,6 +79,19 @@ def stochastic_round(x, bits):
     if body < flat.numel():
         out[body:] = _round_block(flat[body:], bits.range(body, flat.numel() - body))
     return out.view(x.shape)
+
+
+def _compiled():
+    """Is stochastic rounding's compiled kernel here (numba: ``sr_kernel.py``)?
+    Imported at the first rounding, not with the package."""
+    global sr_kernel
+    if sr_kernel is None:
+        from . import sr_kernel as kernel
+        sr_kernel = kernel
+    return sr_kernel.available()
+
+
+sr_kernel = None        # the module, once imported (``_compiled``)
 
 
 def _dense(x, bits):
