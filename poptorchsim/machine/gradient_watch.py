@@ -77,10 +77,10 @@ class GradientWatch:
             wides = [wide] if isinstance(wide, torch.Tensor) else list(wide)
             for o, w in zip(outs, wides):
                 if isinstance(o, torch.Tensor) and o.dtype == HALF and isinstance(w, torch.Tensor):
-                    if exact or stochastic:
+                    if exact:       # fp16 partial sums: not a rounding of ``wide``
                         self._count_values(op.name, o, w)
                     else:
-                        self._count_rounded(op.name, o, w)
+                        self._count_rounded(op.name, o, w, stochastic)
             return out
 
         single = len(dtypes) == 1
@@ -135,12 +135,16 @@ class GradientWatch:
         self.overflowed += over
         self.nonfinite += nonfinite
 
-    def _count_rounded(self, name, out, wide):
-        """``out`` is ``wide`` (fp32) rounded to nearest fp16: a value
-        underflowed where ``out`` is zero and ``wide`` is not, so two counts
+    def _count_rounded(self, name, out, wide, stochastic=False):
+        """``out`` is ``wide`` (fp32) rounded to fp16, to nearest or
+        (``stochastic``) to a neighbour: either way zero stays zero and
+        nothing else becomes zero unless it underflowed, so a value
+        underflowed where ``out`` is zero and ``wide`` is not, and two counts
         of non-zeros and the range of ``out`` (finite: nothing overflowed)
         say it all for most results; an op that lost values adds its summed
-        magnitude, one with infinities or NaNs the value-by-value classes."""
+        magnitude, one with infinities or NaNs the value-by-value classes
+        (rounded stochastically, the values themselves: a value below the
+        overflow bound may have rounded to infinity)."""
         n = wide.numel()
         if n == 0:
             return
@@ -148,6 +152,9 @@ class GradientWatch:
         nz_wide, nz_out, lo, hi = torch.stack([torch.count_nonzero(wide).double(),
                                                torch.count_nonzero(out).double(),
                                                lo.double(), hi.double()]).tolist()
+        if not (math.isfinite(lo) and math.isfinite(hi)) and stochastic:
+            self._count_values(name, out, wide)
+            return
         if not (math.isfinite(lo) and math.isfinite(hi)):   # infinities, NaNs, overflow
             flat = wide.detach().float().abs().reshape(-1).contiguous()
             classes = torch.bucketize(flat, _BOUNDS.to(flat.device))
