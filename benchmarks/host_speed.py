@@ -263,12 +263,13 @@ def _step_make_fx_seconds(module, batch):
 
     def step(p, b, *inputs):
         return grad_and_value(lambda p, b: loss(p, b, inputs))(p, b)
-    from poptorchsim.capture.decompositions import tracing_backends
+    from poptorchsim.capture.decompositions import TraceableForms, tracing_backends
     start = time.perf_counter()
     # the kernels the simulator traces (attention by its math formulation) and, as under
     # torch.export, torch.compiler.is_exporting(): Hugging Face's mask code then builds
-    # its masks without reading their values, which fake tensors do not have
-    with tracing_backends():
+    # its masks without reading their values, which fake tensors do not have; F.one_hot
+    # as a comparison with arange (its kernel reads the values to check them)
+    with tracing_backends(), TraceableForms():
         make_fx(functionalize(step, remove="mutations"), tracing_mode="fake")(params, buffers,
                                                                              *batch)
     return time.perf_counter() - start
