@@ -11,7 +11,8 @@ CUDA (``poptorchsim.setHostDevice("cuda")`` / ``POPTORCHSIM_DEVICE=cuda``):
    apart and read back lazily) and the model-hub sweep's CI subset
    (``tests/test_model_hub.py``: Hugging Face, timm and torchvision models,
    inference, training, pipelined, replicated and fp16, at the sweep's
-   tolerances; the sweep's eager reference runs on the CPU);
+   tolerances, against eager PyTorch on the same GPU: the sweep's eager
+   reference runs on ``POPTORCHSIM_DEVICE``);
 2. **speed**: host milliseconds per micro-batch of a training step through
    the simulator on CUDA against eager PyTorch on the same GPU, for GPT-2
    (``host_speed.gpt2``) and ResNet-18: fp32 (bar: at most 1.2x eager

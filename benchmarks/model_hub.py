@@ -506,8 +506,9 @@ def leaves(x):
 
 def _scaled(x, y, scale):
     """max |x - y| / scale(|y|) over elements; equal values (infinities and
-    NaNs included) count 0, a NaN or infinity on one side only is inf."""
-    x, y = x.double(), y.double()
+    NaNs included) count 0, a NaN or infinity on one side only is inf
+    (compared on the CPU: the eager reference may be on a GPU)."""
+    x, y = x.double().cpu(), y.double().cpu()
     if not y.numel():
         return 0.0
     same = (x == y) | (torch.isnan(x) & torch.isnan(y))
@@ -582,6 +583,23 @@ def annotate(wrapped, blocks):
         poptorchsim.BeginBlock(wrapped.get_submodule(path), user_id=path, ipu_id=ipu)
 
 
+def eager_device():
+    """Where the eager reference runs: the simulator's host device
+    (``POPTORCHSIM_DEVICE``; ``benchmarks/gpu_check.py`` sets it to cuda), so
+    that on a GPU the sweep compares with eager PyTorch on that GPU."""
+    return torch.device(os.environ.get("POPTORCHSIM_DEVICE", "").strip() or "cpu")
+
+
+def on_eager_device(x):
+    """``x`` (tensors in lists and tuples) on ``eager_device()``."""
+    device = eager_device()
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (list, tuple)):
+        return type(x)(on_eager_device(y) for y in x)
+    return x
+
+
 def eager_training(model, make_opt, batches, ga=1, rf=1):
     """One optimizer step per batch in plain PyTorch; seconds per step.
 
@@ -590,6 +608,8 @@ def eager_training(model, make_opt, batches, ga=1, rf=1):
     forward pass changes (batch-norm running statistics) are per replica, as
     on IPUs: replica ``r`` updates its own copy with its own micro-batches
     only, and the model ends with replica 0's (what the host reads back)."""
+    model.to(eager_device())
+    batches = [on_eager_device(b) for b in batches]
     opt = make_opt(model.parameters())
     times = []
     try:
@@ -704,11 +724,12 @@ def run_infer(spec, row):
     model = build(spec).eval()
     batch, = make_batches(spec, spec.micro, 1)
     eager_times = []
+    eager_model, eager_batch = copy.deepcopy(model).to(eager_device()), on_eager_device(batch)
     try:
         with torch.no_grad():
             for _ in range(3):
                 t0 = time.perf_counter()
-                expected = model(*batch)
+                expected = eager_model(*eager_batch)
                 eager_times.append(time.perf_counter() - t0)
     except Exception as exc:  # noqa: BLE001
         raise EagerFailed(f"{type(exc).__name__}: {_head(exc)}") from exc
@@ -863,6 +884,8 @@ def _finite_part(model):
 def eager_fp16(model, data, scale):
     """SGD(lr 0.01) steps with the loss multiplied by ``scale`` before
     ``backward()`` and the gradients divided by it before ``step()``."""
+    model.to(eager_device())
+    data = [on_eager_device(b) for b in data]
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     times = []
     try:
