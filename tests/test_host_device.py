@@ -84,6 +84,9 @@ def test_model_reads_trained_weights_lazily(monkeypatch):
     tm(*_data(32))
     assert tm.copyWeightsToHostIfNeeded() is True
     assert tm.copyWeightsToHostIfNeeded() is False
+    tm(*_data(32))
+    tm.detachFromDevice()                                   # the device goes: copied now
+    assert not tm._weights.dirty and torch.equal(held, tm._state.params[0])
     tm.destroy()
 
 
