@@ -145,6 +145,55 @@ def test_launcher_device_flag_is_checked(tmp_path):
     assert bad.returncode == 2 and "'cpu' or 'cuda'" in bad.stderr
 
 
+class _Factories(torch.nn.Module):
+    """Convolution, batch norm, attention, and tensors the forward creates
+    (``arange``, ``ones``): factory ops trace with ``device=cpu``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        h = torch.relu(self.bn(self.conv(x)))
+        seq = h.flatten(2).transpose(1, 2)
+        a, _ = self.attn(seq, seq, seq)
+        causal = torch.ones(a.shape[1], a.shape[1], dtype=torch.bool).tril()[0]
+        out = self.fc(a.mean(1) + torch.arange(a.shape[-1]).float() + causal.float().sum())
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def test_graphs_compiled_for_cuda_place_their_constants_there(monkeypatch):
+    """Without a GPU, fake CUDA tensors (``FakeTensorMode``, which checks
+    every op's devices as CUDA would): a training step and its SGD update,
+    compiled for a CUDA host device, run on CUDA inputs with every traced
+    device and constant on CUDA; compiled for the CPU, the same step mixes
+    devices."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from poptorchsim.machine import codegen, host_device
+    model = _Factories()
+    tm = poptorch.trainingModel(model, poptorch.Options(),
+                                poptorch.optim.SGD(model.parameters(), lr=0.1))
+    tm.compile(torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,)))
+    graphs = tm._compiled.program.graphs
+    cuda = torch.device("cuda")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        monkeypatch.setattr(host_device, "current", lambda: cuda)
+        for name in ("training_step", "optimizer_update"):
+            graph = graphs[name]
+            outs = codegen.compile_graph(graph)(
+                [torch.empty(t.shape, dtype=t.dtype, device=cuda) for t in graph.inputs])
+            assert {o.device.type for o in outs} == {"cuda"}, name
+        monkeypatch.setattr(host_device, "current", lambda: torch.device("cpu"))
+        step = graphs["training_step"]
+        with pytest.raises(Exception, match="device"):
+            codegen.compile_graph(step)(
+                [torch.empty(t.shape, dtype=t.dtype, device=cuda) for t in step.inputs])
+    tm.destroy()
+
+
 # -- on a GPU ----------------------------------------------------------------------------
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
