@@ -44,22 +44,21 @@ sys.path.insert(0, HERE)
 
 
 def _pytest(paths, env):
-    """(passed, failed, skipped, seconds) of pytest over ``paths``."""
-    t0 = time.monotonic()
+    """(passed, failed, skipped) of pytest over ``paths``."""
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            *paths], cwd=ROOT, env=env, capture_output=True, text=True)
     tail = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", tail)}
     print(tail, flush=True)
     return (counts.get("passed", 0), counts.get("failed", 0) + counts.get("error", 0),
-            counts.get("skipped", 0), time.monotonic() - t0)
+            counts.get("skipped", 0))
 
 
 def parity(rows):
     env = dict(os.environ, POPTORCHSIM_DEVICE="cuda")
     for name, paths in (("host device tests", ["tests/test_host_device.py"]),
                         ("model-hub subset", ["tests/test_model_hub.py"])):
-        passed, failed, skipped, seconds = _pytest(paths, env)
+        passed, failed, skipped = _pytest(paths, env)
         rows.append((f"parity: {name}", f"{passed} passed, {failed} failed, {skipped} skipped",
                      "none failed", failed == 0 and passed > 0))
 
@@ -90,10 +89,9 @@ def applications(rows, examples):
                                "--examples", examples, "--only", app],
                               env=env, capture_output=True, text=True)
         seconds = time.monotonic() - t0
-        lines = [ln for ln in done.stdout.splitlines() if ln.startswith(app) or app in ln]
-        ok = done.returncode == 0 and any("PASS" in ln or "passed" in ln.lower()
-                                          for ln in lines)
-        print("\n".join(lines[-3:]), flush=True)
+        row = [ln for ln in done.stdout.splitlines() if ln.startswith(f"| {app} |")]
+        ok = done.returncode == 0 and bool(row) and "| PASS: " in row[-1]   # not SKIPPED
+        print(row[-1] if row else done.stdout[-2000:], flush=True)
         if app == "bert-tiny":
             rows.append(("BERT demo_tiny_128: 360 steps", f"{seconds / 60:.2f} min",
                          "< 2 min, MLM acc > 0.85", ok and seconds < 120))

@@ -100,6 +100,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import poptorchsim
+from poptorchsim.machine import host_device
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -585,19 +586,15 @@ def annotate(wrapped, blocks):
 
 def eager_device():
     """Where the eager reference runs: the simulator's host device
-    (``POPTORCHSIM_DEVICE``; ``benchmarks/gpu_check.py`` sets it to cuda), so
-    that on a GPU the sweep compares with eager PyTorch on that GPU."""
-    return torch.device(os.environ.get("POPTORCHSIM_DEVICE", "").strip() or "cpu")
+    (``poptorchsim.hostDevice()``: ``POPTORCHSIM_DEVICE``, which
+    ``benchmarks/gpu_check.py`` sets to cuda), so that on a GPU the sweep
+    compares with eager PyTorch on that GPU."""
+    return poptorchsim.hostDevice()
 
 
 def on_eager_device(x):
     """``x`` (tensors in lists and tuples) on ``eager_device()``."""
-    device = eager_device()
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, (list, tuple)):
-        return type(x)(on_eager_device(y) for y in x)
-    return x
+    return host_device.to(x, eager_device())
 
 
 def eager_training(model, make_opt, batches, ga=1, rf=1):

@@ -152,10 +152,10 @@ class GradientWatch:
         nz_wide, nz_out, lo, hi = torch.stack([torch.count_nonzero(wide).double(),
                                                torch.count_nonzero(out).double(),
                                                lo.double(), hi.double()]).tolist()
-        if not (math.isfinite(lo) and math.isfinite(hi)) and stochastic:
-            self._count_values(name, out, wide)
-            return
         if not (math.isfinite(lo) and math.isfinite(hi)):   # infinities, NaNs, overflow
+            if stochastic:
+                self._count_values(name, out, wide)
+                return
             flat = wide.detach().float().abs().reshape(-1).contiguous()
             classes = torch.bucketize(flat, _BOUNDS.to(flat.device))
             c = torch.bincount(classes, minlength=5).tolist()

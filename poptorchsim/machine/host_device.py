@@ -23,6 +23,7 @@ The default is the CPU.  An executable keeps the device it was compiled on
 import os
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..errors import Error
 
@@ -71,18 +72,10 @@ def current():
     return torch.device("cpu")
 
 
-def to(tree, device, non_blocking=False):
+def to(tree, device):
     """``tree`` (tensors in lists, tuples and dicts) with its tensors on
-    ``device`` (tensors already there are kept, not copied)."""
-    if isinstance(tree, torch.Tensor):
-        return tree if tree.device == device else tree.to(device, non_blocking=non_blocking)
-    if isinstance(tree, list):
-        return [to(t, device, non_blocking) for t in tree]
-    if isinstance(tree, tuple):
-        return tuple(to(t, device, non_blocking) for t in tree)
-    if isinstance(tree, dict):
-        return {k: to(v, device, non_blocking) for k, v in tree.items()}
-    return tree
+    ``device`` (``Tensor.to`` keeps a tensor already there, not a copy)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), tree)
 
 
 def send(tensors, device):

@@ -67,7 +67,8 @@ def apply(function, *args):
     try:
         if all(d is None for d in in_dims):     # nothing batched: as functorch, forward
             return function.forward(*inner)
-        out, out_dims = function.vmap(_Info(_ft.CVmapInterpreterPtr(top).batchSize()), in_dims, *inner)
+        info = _Info(_ft.CVmapInterpreterPtr(top).batchSize())
+        out, out_dims = function.vmap(info, in_dims, *inner)
     finally:
         _ft.push_dynamic_layer_stack(saved)
     if isinstance(out, tuple):

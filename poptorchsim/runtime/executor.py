@@ -353,8 +353,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         if not self._attached:
             raise Error("Device is not attached")
         if self._training:      # the weights are on the host after every call (CPU)
-            if self._weights.dirty:         # or copied now (CUDA host device)
-                self._weights.download(self._compiled, fresh=False)
+            self.copyWeightsToHostIfNeeded()    # or copied now (CUDA host device)
             self._keep_optimizer_state(self._optimizer)
         self._attached = False
 
@@ -377,8 +376,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
             self._keep_optimizer_state(self._optimizer)
         if self._training and hasattr(self._optimizer, "_use_on_device"):
             self._optimizer._use_on_device(None)
-        if self._weights.dirty:             # the model gets the trained weights first
-            self.copyWeightsToHost()
+        self.copyWeightsToHostIfNeeded()    # the model gets the trained weights first
         lazy_weights.remove(self._user_model)
         self._release()
         self._destroyed = True
