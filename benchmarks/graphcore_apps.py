@@ -23,6 +23,11 @@ written to a temporary directory put on PYTHONPATH:
   launched with several instances.
 * ``dllogger`` (NVIDIA's, installed from git, not on PyPI; FastPitch logs
   through it): ``init``, ``metadata``, ``flush`` do nothing, ``log`` prints.
+* ``wandb`` (the pinned 0.12.8 imports ``np.float_``, gone in NumPy 2): the
+  applications call it only with ``--wandb``; its ``init`` says so.
+
+The stand-ins come after the ``--deps`` directories on PYTHONPATH, so an
+installed package wins.
 
 What cannot run is said in the table's result: a C++ custom op built
 against Poplar's headers (the Conformer's RemapCE ``custom_ops.so``), a
@@ -88,6 +93,22 @@ def flush(): pass
 '''
 
 
+WANDB = '''"""Stand-in for wandb: the applications pin wandb 0.12.8, which imports
+``np.float_`` (gone in NumPy 2).  They call it only with ``--wandb``, off in
+these runs; a run that turns it on is told so."""
+__version__ = "0.12.8+poptorchsim-stand-in"
+class Settings:
+    def __init__(self, *args, **kwargs): pass
+def init(*args, **kwargs):
+    raise RuntimeError("wandb is a stand-in here (graphcore_apps.py): install a wandb that "
+                       "imports under NumPy 2 and pass it with --deps to log to it")
+config = {}
+run = None
+def log(*args, **kwargs): pass
+def finish(*args, **kwargs): pass
+'''
+
+
 def make_stand_ins(directory):
     """Writes the stand-in modules under ``directory``; returns it."""
     hvd = Path(directory) / "horovod"
@@ -95,6 +116,7 @@ def make_stand_ins(directory):
     (hvd / "__init__.py").write_text('__version__ = "0.24.3+poptorchsim-stand-in"\n')
     (hvd / "torch.py").write_text(HOROVOD_TORCH)
     (Path(directory) / "dllogger.py").write_text(DLLOGGER)
+    (Path(directory) / "wandb.py").write_text(WANDB)
     return directory
 
 

@@ -157,12 +157,34 @@ def _name(target):
     return getattr(packet, "__name__", None) or getattr(target, "__name__", str(target))
 
 
+# torch.Tag.inplace came with torch 2.12; before it the schema says the same: the
+# first argument written to, the name ending in "_", but for these overloads,
+# which the tag leaves out (checked against the tag on torch 2.14)
+_INPLACE_TAG = getattr(torch.Tag, "inplace", None)
+_UNTAGGED_INPLACE = frozenset({"add_.t", "mul_.t", "copy_.Tensor", "copy_.int", "copy_.float",
+                               "index_put_.hacked_twin", "shallow_copy_data_.default"})
+
+
+def _inplace_by_schema(target):
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    first, name = schema.arguments[0], _name(target)
+    return (first.alias_info is not None and first.alias_info.is_write and not first.kwarg_only
+            and name.endswith("_") and not name.startswith("_foreach")
+            and f"{name}.{target._overloadname}" not in _UNTAGGED_INPLACE)
+
+
 def is_inplace(target):
     """An ATen operation that writes into its first argument (``add_``,
     ``squeeze_``): capture leaves these only where a decomposition made them
     on tensors of its own, and the engine runs them in place."""
     tags = getattr(target, "tags", ())
-    return torch.Tag.inplace in tags or torch.Tag.inplace_view in tags
+    if torch.Tag.inplace_view in tags:
+        return True
+    if _INPLACE_TAG is not None:
+        return _INPLACE_TAG in tags
+    return _inplace_by_schema(target)
 
 
 def is_native(target):

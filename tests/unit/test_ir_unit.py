@@ -246,3 +246,19 @@ def test_graph_with_stray_op_object_is_not_confused_with_another():
     g.ops[0].outputs[0].producer = twin
     with pytest.raises(Error, match=r"%r0 does not name r0 as producer"):
         verify_graph(g)
+
+
+# -- op kinds ---------------------------------------------------------------------
+def test_inplace_by_schema_agrees_with_pytorchs_tag():
+    """Before torch 2.12 there is no ``torch.Tag.inplace``: ``is_inplace``
+    reads the schema instead, which must name the same ATen overloads."""
+    from poptorchsim.ir import ops
+    if ops._INPLACE_TAG is None:
+        pytest.skip("this PyTorch has no torch.Tag.inplace to compare with")
+    overloads = [getattr(packet, name) for packet in
+                 (getattr(torch.ops.aten, n) for n in dir(torch.ops.aten))
+                 if isinstance(packet, torch._ops.OpOverloadPacket)
+                 for name in packet.overloads()]
+    tagged = {str(o) for o in overloads if ops._INPLACE_TAG in o.tags}
+    assert len(tagged) > 100 and "aten.add_.Tensor" in tagged
+    assert {str(o) for o in overloads if ops._inplace_by_schema(o)} == tagged
