@@ -21,6 +21,17 @@ from poptorchsim.runtime import weights as device_weights
 CUDA = torch.cuda.is_available()
 
 
+@pytest.fixture(autouse=True)
+def _cpu_unless_chosen(monkeypatch):
+    """Each test starts on the default host device, the CPU, also when the
+    GPU check runs this file with ``POPTORCHSIM_DEVICE=cuda``: the CUDA
+    tests choose CUDA themselves."""
+    monkeypatch.delenv("POPTORCHSIM_DEVICE", raising=False)
+    poptorch.setHostDevice(None)
+    yield
+    poptorch.setHostDevice(None)
+
+
 class _Net(torch.nn.Module):
     def __init__(self, dropout=0.0):
         super().__init__()
@@ -203,9 +214,9 @@ def test_cuda_training_equals_eager_cuda_and_ir_is_the_same():
     model = _Net()
     eager = copy.deepcopy(model).cuda()
     opt = torch.optim.SGD(eager.parameters(), lr=0.05)
-    opts = poptorch.Options()
-    cpu_ir = poptorch.trainingModel(copy.deepcopy(model), opts,
-                                    poptorch.optim.SGD(model.parameters(), lr=0.05))
+    on_cpu = copy.deepcopy(model)
+    cpu_ir = poptorch.trainingModel(on_cpu, poptorch.Options(),
+                                    poptorch.optim.SGD(on_cpu.parameters(), lr=0.05))
     cpu_ir.compile(x, y)
     poptorch.setHostDevice("cuda")
     try:

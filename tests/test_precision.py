@@ -1,6 +1,9 @@
 """Options.Precision: stochastic rounding, half partials, running statistics
 in float32, halfFloatCasting (docs/precision.md)."""
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -151,6 +154,83 @@ def test_compiled_stochastic_round_equals_the_pytorch_form(monkeypatch):
             monkeypatch.setenv("POPTORCHSIM_NUMBA", "0")
             plain = stochastic_round(x_, bits)
             assert torch.equal(fast.view(torch.int16), plain.view(torch.int16))
+
+
+def _rounding_cases():
+    """Values stochastic rounding must get right, as fp32 tensors: normal,
+    subnormal (fp16 and fp32), huge, infinite, NaN (any payload), signed
+    zeros, and a tensor mostly of fp16 values."""
+    g = torch.Generator().manual_seed(0)
+    n = 1 << 13
+    values = [torch.randn(n, generator=g) * s for s in (1e-8, 1e-6, 1e-4, 1, 1e3, 6e4)]
+    values.append(torch.randint(-2 ** 31, 2 ** 31 - 1, (n,), dtype=torch.int32,
+                                generator=g).view(torch.float32))      # NaN payloads too
+    values.append(torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"),
+                                65504.0, 65519.0, 65520.0, 2 ** -24, -2 ** -25, 2 ** -14,
+                                1e-45, -1e-45, 2 ** -14 * 0.99999]).repeat(64))
+    mostly = torch.randn(70_000, generator=g).half().float()
+    mostly[::97] += 1e-4
+    values.append(mostly)
+    return values
+
+
+_TRITON_CHECK = """
+import torch
+from poptorchsim.machine import sr_triton
+from poptorchsim.machine.rounding import stochastic_round
+from poptorchsim.machine.streams import POOL, Window, Windows, draw_pool
+import test_precision as t
+assert sr_triton.available(torch.device("cpu"))
+pool = draw_pool(3)
+checked = 0
+for x in t._rounding_cases():
+    rows = x.numel() // 4
+    for bits, x_ in ((Window(pool, POOL - 100), x),              # wraps around the pool
+                     (Windows(pool, [5, POOL - 7, 12345], rows), x[:rows * 3])):
+        plain = stochastic_round(x_, bits)                       # the PyTorch form
+        starts = bits.starts if isinstance(bits, Windows) else bits.start
+        fast = sr_triton.round_rows(x_, pool, starts, rows if isinstance(bits, Windows) else 0)
+        # NaNs as NaNs: a cast writes its own NaN bits (numpy's keep the payload)
+        nan = plain.isnan()
+        assert torch.equal(fast.isnan(), nan)
+        assert torch.equal(fast[~nan].view(torch.int16), plain[~nan].view(torch.int16)), x_[:8]
+        checked += x_.numel()
+print("checked", checked)
+"""
+
+
+def test_triton_stochastic_round_equals_the_pytorch_form():
+    """``sr_triton.py`` (the GPU's one-kernel rounding), run in Triton's
+    interpreter on the CPU, gives the PyTorch form's values bit for bit (a
+    NaN a NaN), in one window and in batched windows (rows)."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", POPTORCHSIM_NUMBA="0",
+               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", _TRITON_CHECK], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "checked" in done.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_stochastic_round_on_cuda_equals_the_cpus():
+    """On a GPU: the Triton kernel's values are the CPU's PyTorch form's
+    (NaNs as NaNs: a GPU's cast writes its own NaN bits)."""
+    from poptorchsim.machine.streams import POOL, Window, Windows, draw_pool
+    pool = draw_pool(3)
+    for x in _rounding_cases():
+        rows = x.numel() // 4
+        for bits, x_ in ((Window(pool, POOL - 100), x),
+                         (Windows(pool, [5, POOL - 7, 12345], rows), x[:rows * 3])):
+            plain = stochastic_round(x_, bits)
+            on_gpu = (Window(pool.cuda(), bits.start) if isinstance(bits, Window)
+                      else Windows(pool.cuda(), [w.start for w in bits.rows], rows))
+            fast = stochastic_round(x_.cuda(), on_gpu).cpu()
+            nan = plain.isnan()
+            assert torch.equal(fast.isnan(), nan)
+            assert torch.equal(fast[~nan].view(torch.int16), plain[~nan].view(torch.int16))
 
 
 class _Scale(torch.nn.Module):

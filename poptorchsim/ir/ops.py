@@ -162,7 +162,8 @@ def _name(target):
 # which the tag leaves out (checked against the tag on torch 2.14)
 _INPLACE_TAG = getattr(torch.Tag, "inplace", None)
 _UNTAGGED_INPLACE = frozenset({"add_.t", "mul_.t", "copy_.Tensor", "copy_.int", "copy_.float",
-                               "index_put_.hacked_twin", "shallow_copy_data_.default"})
+                               "index_put_.hacked_twin", "_index_put_impl_.hacked_twin",
+                               "shallow_copy_data_.default"})
 
 
 def _inplace_by_schema(target):
@@ -171,7 +172,7 @@ def _inplace_by_schema(target):
         return False
     first, name = schema.arguments[0], _name(target)
     return (first.alias_info is not None and first.alias_info.is_write and not first.kwarg_only
-            and name.endswith("_") and not name.startswith("_foreach")
+            and name.endswith("_") and not name.startswith("_no_grad_")
             and f"{name}.{target._overloadname}" not in _UNTAGGED_INPLACE)
 
 

@@ -67,8 +67,13 @@ def stochastic_round(x, bits):
         rows = bits.rows if isinstance(bits, Windows) else [bits]
         n = bits.n if isinstance(bits, Windows) else x.numel()
         return sr_kernel.round_rows(x, bits.pool, [w.start for w in rows], n)
-    if x.numel() < _EXACT_FROM or not _mostly_exact(x):
-        return _dense(x, bits)
+    if x.device.type != "cpu" and isinstance(bits, (Window, Windows)) and _on_gpu(x.device):
+        # one Triton kernel (sr_triton.py): no launch per pass, no count read back
+        if isinstance(bits, Windows):
+            return sr_triton.round_rows(x, bits.pool, bits.starts, bits.n)
+        return sr_triton.round_rows(x, bits.pool, bits.start, x.numel())
+    if x.device.type != "cpu" or x.numel() < _EXACT_FROM or not _mostly_exact(x):
+        return _dense(x, bits)          # (on a GPU: no count read back, no blocks)
     flat = x.view(-1)
     out = flat.to(HALF)                 # rows of values fp16 holds kept as they are
     body = flat.numel() - flat.numel() % _ROW
@@ -94,9 +99,22 @@ def _compiled():
 sr_kernel = None        # the module, once imported (``_compiled``)
 
 
+def _on_gpu(device):
+    """Is stochastic rounding's Triton kernel here for ``device``
+    (``sr_triton.py``)?  Imported at the first rounding on a GPU."""
+    global sr_triton
+    if sr_triton is None:
+        from . import sr_triton as kernel
+        sr_triton = kernel
+    return sr_triton.available(device)
+
+
+sr_triton = None        # the module, once imported (``_on_gpu``)
+
+
 def _dense(x, bits):
     """``stochastic_round`` of every value of ``x`` (fp32, contiguous)."""
-    if x.numel() > _BLOCK:         # block by block: each block's temporaries stay in cache
+    if x.numel() > _BLOCK and x.device.type == "cpu":   # block by block: in cache
         out = torch.empty(x.shape, dtype=HALF, device=x.device)
         for k, (part, into) in enumerate(zip(x.view(-1).split(_BLOCK),
                                              out.view(-1).split(_BLOCK))):

@@ -208,8 +208,9 @@ class Windows:
     def __init__(self, pool, starts, n):
         self.rows = [Window(pool, s) for s in starts]
         self.pool, self.n = pool, int(n)
-        self.starts = torch.tensor([w.start for w in self.rows], dtype=torch.int64,
-                                   device=pool.device)
+        # to the pool's device without waiting for it (a GPU's queue runs on)
+        self.starts = torch.tensor([w.start for w in self.rows], dtype=torch.int64).to(
+            pool.device, non_blocking=True)
 
     def range(self, first, count):
         parts, pos, end = [], first, first + count

@@ -147,6 +147,18 @@ def test_half_partials_block_by_block(monkeypatch, shapes):
     assert torch.equal(whole, _half_partials_by_the_book(a, b))
 
 
+def test_half_partials_with_a_gpus_blocks_give_the_same_values(monkeypatch):
+    """On a GPU the blocks and groups are larger (for memory, not cache):
+    the values are the same."""
+    from poptorchsim.machine import half_partials
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(2, 300, 2100, generator=g).half(), torch.randn(2100, 700, generator=g).half()
+    on_cpu = half_partials_mm(a, b)
+    monkeypatch.setattr(half_partials, "_limits",
+                        lambda device: (half_partials._GPU_BLOCK, half_partials._GPU_SUMS_LIMIT))
+    assert torch.equal(half_partials_mm(a, b), on_cpu)
+
+
 @pytest.mark.parametrize("target", [torch.ops.aten.argmax.default, torch.ops.aten.argmin.default],
                          ids=str)
 def test_index_of_an_fp16_value_computed_in_fp32_is_the_same(target):
