@@ -40,8 +40,15 @@ def isRunningOnIpu():
 
 
 def ipuHardwareIsAvailable(num_ipus=1):
-    """No hardware here: the IPUs are simulated."""
-    return False
+    """Is there IPU hardware with ``num_ipus`` IPUs?  No, by default: the
+    IPUs are simulated.  With ``POPTORCHSIM_IPU_HARDWARE`` set (or
+    ``python -m poptorchsim.run --ipu-hardware on``) the simulated system
+    reports its IPUs as hardware, so that programs which run only where
+    this is True run unchanged; their models then follow PopTorch's rules
+    for hardware (``docs/porting.md``)."""
+    from .estimate.targets import hardware_ipus
+    ipus = hardware_ipus()
+    return ipus is not None and num_ipus <= ipus
 
 
 def ipuHardwareVersion():

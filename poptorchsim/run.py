@@ -31,8 +31,9 @@ def parse(argv):
     p = argparse.ArgumentParser(
         prog="python -m poptorchsim.run",
         usage="%(prog)s [--num-instances P] [--num-replicas R] [--ipus-per-replica N] "
-              "[--master-port PORT] [--device DEVICE] [--] script.py [args ...]\n"
-              "       %(prog)s [--device DEVICE] -m module [args ...]",
+              "[--master-port PORT] [--device DEVICE] [--ipu-hardware IPUS] [--] script.py "
+              "[args ...]\n"
+              "       %(prog)s [--device DEVICE] [--ipu-hardware IPUS] -m module [args ...]",
         description="Run a PopTorch program as several processes sharing its replicas "
                     "(the shape of poprun).")
     p.add_argument("--num-instances", type=int, default=None, metavar="P",
@@ -51,6 +52,12 @@ def parse(argv):
     p.add_argument("--device", default=None, metavar="DEVICE",
                    help="the host device the simulator computes on: cpu (the default) or "
                         "cuda (cuda:N); sets POPTORCHSIM_DEVICE for the program")
+    p.add_argument("--ipu-hardware", default=None, metavar="IPUS",
+                   help="report the simulated IPUs as hardware: on (64 IPUs) or a number "
+                        "of IPUs, for programs that run only where "
+                        "poptorch.ipuHardwareIsAvailable() is True; their models then "
+                        "follow PopTorch's rules for hardware (sets "
+                        "POPTORCHSIM_IPU_HARDWARE for the program)")
     p.add_argument("script", help="the Python program to run; the words after it are "
                                   "its arguments, passed on unchanged")
     p.add_argument("-m", dest="module", action="store_true",
@@ -66,11 +73,27 @@ def parse(argv):
             _parse(args.device, "--device")
         except Error as e:
             p.error(str(e))
+    if args.ipu_hardware is not None:
+        from .errors import Error
+        from .estimate.targets import HARDWARE_ENV, hardware_ipus
+        saved = os.environ.get(HARDWARE_ENV)
+        os.environ[HARDWARE_ENV] = args.ipu_hardware
+        try:
+            if hardware_ipus() is None:
+                p.error(f"--ipu-hardware {args.ipu_hardware} reports no hardware: use on "
+                        "or a number of IPUs (or leave the option out)")
+        except Error as e:
+            p.error(str(e).replace(f"{HARDWARE_ENV}=", "--ipu-hardware "))
+        finally:
+            if saved is None:
+                del os.environ[HARDWARE_ENV]
+            else:
+                os.environ[HARDWARE_ENV] = saved
     if args.module:
-        others = [o for o in _without_device(options) if o != "-m"]
+        others = [o for o in _without_in_process(options) if o != "-m"]
         if others:
             p.error("-m runs a module in this process: it takes no launcher option "
-                    f"but --device (got {' '.join(others)})")
+                    f"but --device and --ipu-hardware (got {' '.join(others)})")
         args.here = True
         return args
     args.here = args.num_instances is None and args.num_replicas is None \
@@ -95,15 +118,18 @@ def parse(argv):
     return args
 
 
-def _without_device(options):
-    """The launcher's options less ``--device`` and its value."""
+_IN_PROCESS = ("--device", "--ipu-hardware")     # options that also apply in this process
+
+
+def _without_in_process(options):
+    """The launcher's options less ``--device``, ``--ipu-hardware`` and their values."""
     out, skip = [], False
     for o in options:
         if skip:
             skip = False
-        elif o == "--device":
+        elif o in _IN_PROCESS:
             skip = True
-        elif not o.startswith("--device="):
+        elif not o.startswith(tuple(f"{name}=" for name in _IN_PROCESS)):
             out.append(o)
     return out
 
@@ -126,6 +152,9 @@ def main(argv=None):
     args = parse(sys.argv[1:] if argv is None else list(argv))
     if args.device is not None:     # the program's processes compute there
         os.environ["POPTORCHSIM_DEVICE"] = args.device
+    if args.ipu_hardware is not None:   # ... and see the simulated IPUs as hardware
+        from .estimate.targets import HARDWARE_ENV
+        os.environ[HARDWARE_ENV] = args.ipu_hardware
     if args.here:       # no launch: this process runs the script, its imports aliased
         from .distributed._worker import run_here
         return run_here(args.script, args.args, module=args.module)

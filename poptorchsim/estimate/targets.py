@@ -135,3 +135,27 @@ def default_target(version=None):
     if os.environ.get("POPTORCHSIM_SMALL_IPU_MODEL", "") not in ("", "0"):
         return TEST_IPU
     return target_named(os.environ.get("POPTORCHSIM_IPU_MODEL_VERSION", "ipu2"))
+
+
+HARDWARE_ENV = "POPTORCHSIM_IPU_HARDWARE"
+_ON, _OFF = ("1", "on", "true", "yes"), ("", "0", "off", "false", "no")
+MAX_IPUS_PER_PROCESS = 64     # PopTorch reserves at most 64 IPUs per process
+
+
+def hardware_ipus():
+    """The IPUs the simulated system reports as hardware, or None (the
+    default: no hardware, as honest).  ``POPTORCHSIM_IPU_HARDWARE``: 1, on,
+    true or yes for an IPU-POD64's 64 IPUs; a number from 2 for that many;
+    0, off, false, no or unset for none (``docs/porting.md``)."""
+    value = os.environ.get(HARDWARE_ENV, "").strip().lower()
+    if value in _OFF:
+        return None
+    if value in _ON:
+        return MAX_IPUS_PER_PROCESS
+    if value.isdigit() and int(value) >= 2:
+        return int(value)
+    from ..errors import Error
+    raise Error(f"{HARDWARE_ENV}={value!r} is not a setting: use 1 (or on) for a system of "
+                f"{MAX_IPUS_PER_PROCESS} IPUs, a number from 2 for that many IPUs, or 0 "
+                "(or unset) for no hardware")
+

@@ -185,17 +185,43 @@ def num_ipus_needed(stage_of_block):
     return max(len(ipus), max(ipus) + 1)
 
 
+def _reserve(total, auto_round, hardware, logger):
+    """PopTorch's reservation of ``total`` IPUs on hardware of ``hardware``
+    IPUs: a power of 2 (rounded up with autoRoundNumIPUs, else refused), and
+    no more than the system has."""
+    rounded = 1 << (total - 1).bit_length()
+    common = ", because PopTorch must reserve a power of 2 or maximum of 64 IPUs per process"
+    if rounded != total:
+        if not auto_round:
+            raise Error(f"The model specifies the use of {total} IPUs, however PopTorch must "
+                        f"reserve a minimum of {rounded} in order to allow the model to run"
+                        f"{common}. Please reconfigure your model to use a different number "
+                        "of IPUs or set poptorch.Options().autoRoundNumIPUs(True).")
+        if logger is not None:          # PopTorch's words, its spelling too
+            logger.warning(f"Reserving {rounded} IPUs when the model specifices the use of "
+                           f"only {total}{common}. {rounded - total} will be reserved but "
+                           "not used.")
+    if rounded > hardware:
+        raise Error(f"Failed to acquire {rounded} IPU(s): the simulated system reports "
+                    f"{hardware} IPUs as hardware (POPTORCHSIM_IPU_HARDWARE). Use fewer IPUs "
+                    "or replicas, or a larger system (POPTORCHSIM_IPU_HARDWARE=64).")
+
+
 def check_rules(*, training, pipelined, n_stages, di, ga, rf, n_ipus, auto_round,
-                stage_map, logger=None, stages_with_ops=None):
+                stage_map, logger=None, stages_with_ops=None, hardware=None):
     """PopTorch's pipelining and IPU-count rules, raised before compiling.
 
     ``n_stages``: the forward stages PopTorch counts (``pipeline_stage_count``);
-    ``stages_with_ops``: the stages of the stage map, where that differs."""
+    ``stages_with_ops``: the stages of the stage map, where that differs;
+    ``hardware``: the IPUs the system reports as hardware (None: the IPU
+    Model, an offline target, or no hardware)."""
     total = n_ipus * rf
     if total > 64:
         raise Error(f"Too many IPUs requested ({total}). Experiments that need more than "
                     "64 IPUs require distributed execution.")
-    if total & (total - 1) and logger is not None:
+    if hardware is not None:
+        _reserve(total, auto_round, hardware, logger)
+    elif total & (total - 1) and logger is not None:
         # PopTorch reserves IPU hardware in powers of 2 and refuses other
         # counts without autoRoundNumIPUs; the IPU Model and offline targets,
         # which a simulator stands for, take any count (PopTorch's own

@@ -31,7 +31,7 @@ class Placement:
     activations_off_chip: bool = False       # phased: activations wait in Streaming Memory
 
 
-def place(program, graph, placement, tied, *, training, auto_round):
+def place(program, graph, placement, tied, *, training, auto_round, hardware=None):
     """``program`` with ``graph`` (its model graph) placed (see the module's
     contract).  ``tied``: the model's tied weights (name -> module paths)."""
     where, keys = dense_stages(placement.stage_of_block, placement.entered)
@@ -66,7 +66,7 @@ def place(program, graph, placement, tied, *, training, auto_round):
     check_rules(training=training, pipelined=placement.pipelined,
                 n_stages=pipeline_stage_count(graph), di=program.device_iterations,
                 ga=program.accumulation, rf=program.replicas, n_ipus=n_ipus,
-                auto_round=auto_round, stage_map=stage_map,
+                auto_round=auto_round, hardware=hardware, stage_map=stage_map,
                 logger=logging.getLogger("poptorchsim"), stages_with_ops=n)
     graph.stash_depth = ({s: 2 * (n - 1 - s) + 1 for s in range(n)}
                          if pipelined and training else None)

@@ -170,7 +170,7 @@ def compile_training(model, optimizer, args, kwargs, config, capture=None, trace
         overlap, c, sharded_state=set(shards)))
     program = run.done("place stages", place(                                          # 4
         program, step, _placement(c.placement, capture, step), capture.tied, training=True,
-        auto_round=c.auto_round))
+        auto_round=c.auto_round, hardware=c.hardware))
     recompute.plan(step, recompute.default_mode(                                       # 5
         c.recomputation, program.pipelined and program.n_ipus > 1), program.pipelined)
     program = run.done("recompute", program)
@@ -219,7 +219,7 @@ def compile_inference(model, args, kwargs, config):
                                          capture, overlap, c))
     program = run.done("place stages", place(                                          # 4
         program, graph, _placement(c.placement, capture, graph), capture.tied,
-        training=False, auto_round=c.auto_round))
+        training=False, auto_round=c.auto_round, hardware=c.hardware))
     run.stage("Tile mapping")
     program = run.done("map tiles", _map_tiles(program, target))                       # 8
     rounding = apply_precision(c.precision, [graph])                                   # 9

@@ -9,7 +9,7 @@ private storage.
 from dataclasses import dataclass, field, fields
 
 from .. import enums
-from ..estimate.targets import default_target
+from ..estimate.targets import default_target, hardware_ipus
 from .engine_options import allow_out_of_memory
 from .popart_options import recomputation_type, synthetic_data_mode
 from .precision import auto_loss_scaling, settings as precision_settings
@@ -56,6 +56,9 @@ class CompileConfig:
     placement: object = None          # passes.stages StagedSpec / PhasedSpec: the execution
                                       # strategy as data (None: PopTorch's default)
     auto_round: bool = False          # autoRoundNumIPUs
+    hardware: object = field(default=None, metadata={"key": False})
+                                      # IPUs reported as hardware (POPTORCHSIM_IPU_HARDWARE),
+                                      # None without, or with the IPU Model or an offline target
     locations: dict = field(default_factory=dict)   # TensorLocations settings per kind
     io_tiles: int = 0
     precision: dict = None            # runtime.precision.settings
@@ -85,7 +88,8 @@ class CompileConfig:
             amp=_proportions(o), allow_oom=allow_out_of_memory(o),
             synthetic=bool(getattr(o, "synthetic_data", False)) or synthetic_data_mode(o),
             placement=_placement_spec(getattr(o, "execution_strategy", None)),
-            auto_round=bool(o.auto_round_num_ipus), locations=o.TensorLocations.settings(),
+            auto_round=bool(o.auto_round_num_ipus), hardware=_hardware(o),
+            locations=o.TensorLocations.settings(),
             io_tiles=o.TensorLocations.num_io_tiles, precision=precision_settings(o),
             recomputation=recomputation_type(o),
             sync_pattern=enums.SyncPattern(int(o.sync_pattern)).name,
@@ -103,3 +107,15 @@ class CompileConfig:
     @property
     def total_replicas(self):
         return self.replicas * self.processes
+
+
+def _hardware(options):
+    """The IPUs a program's models compile for as hardware: the switch's
+    (``estimate.targets.hardware_ipus``), unless the options ask for the
+    IPU Model (``useIpuModel(True)``) or an offline target (connection type
+    ``Never``), which take any count as PopTorch's do."""
+    if getattr(options, "use_model", False) or \
+            options.connection_type == enums.ConnectionType.Never.value:
+        return None
+    return hardware_ipus()
+

@@ -62,6 +62,10 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
 
     def __init__(self, model, options, training, optimizer=None):
         self._user_model = model
+        # PopTorch wraps a shallow copy of the model: its own ``training`` flag, as it
+        # was when wrapped, while the submodules are shared (a later model.eval()
+        # switches them, not the copy's forward): traced with this flag
+        self._wrapped_training = model.training
         self._options = options
         self._training = training
         self._optimizer = optimizer
@@ -150,12 +154,17 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         self._weights.device = host_device.current()
         if config.precision["running_statistics_always_float"]:
             keep_running_statistics_float(self._user_model)
-        if self._training:
-            compiled = self._through_cache(source, compiler.compile_training, self._user_model,
-                                           self._optimizer, micro[0], micro[1], config)
-        else:
-            compiled = self._through_cache(source, compiler.compile_inference,
-                                           self._user_model, micro[0], micro[1], config)
+        now, self._user_model.training = self._user_model.training, self._wrapped_training
+        try:
+            if self._training:
+                compiled = self._through_cache(source, compiler.compile_training,
+                                               self._user_model, self._optimizer, micro[0],
+                                               micro[1], config)
+            else:
+                compiled = self._through_cache(source, compiler.compile_inference,
+                                               self._user_model, micro[0], micro[1], config)
+        finally:
+            self._user_model.training = now
         self._config = config
         if self._training and rf > 1 and o.broadcast_buffers:
             step = compiled.program.graphs["training_step"]
