@@ -639,3 +639,58 @@ def test_ipu_device_and_distributions_inside_forward():
     torch.testing.assert_close(out, torch.ones(2, 3) + x)
     assert noise.shape == (2, 3) and noise.device.type == "cpu"
     assert torch.distributions.Distribution._validate_args     # restored
+
+
+# -- tensors held as plain attributes: constants, traced once ----------------------
+
+class _Counter(nn.Module):
+    """PopTorch's user guide (``buffers.py``): a plain tensor attribute
+    changed in forward() is a constant of the program."""
+
+    def __init__(self, as_buffer=False):
+        super().__init__()
+        if as_buffer:
+            self.register_buffer("i", torch.tensor([0.0]))
+        else:
+            self.i = torch.tensor([0.0])
+
+    def forward(self):
+        self.i += 1
+        return self.i
+
+
+def test_a_plain_tensor_attribute_is_a_constant_traced_once():
+    model = _Counter()
+    pm = poptorchsim.inferenceModel(model, quiet_options())
+    assert torch.equal(pm(), torch.tensor([1.0]))
+    assert torch.equal(pm(), torch.tensor([1.0]))          # each run starts from 0
+    assert torch.equal(model.i, torch.tensor([1.0]))        # the trace ran forward() once
+
+
+def test_a_buffer_keeps_its_value_from_run_to_run():
+    model = _Counter(as_buffer=True)
+    pm = poptorchsim.inferenceModel(model, quiet_options())
+    assert torch.equal(pm(), torch.tensor([1.0]))
+    assert torch.equal(pm(), torch.tensor([2.0]))
+    pm.copyWeightsToHost()
+    assert torch.equal(model.i, torch.tensor([2.0]))
+
+
+class _Doubler(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.k = torch.tensor([1.0, 2.0])
+
+    def forward(self, x):
+        held = self.k           # the same tensor: it sees the update below
+        self.k.mul_(2)
+        return x + held + self.k
+
+
+def test_reads_of_a_constant_after_its_in_place_update_see_the_new_value():
+    x = torch.tensor([10.0, 20.0])
+    eager = _Doubler()(x)                       # 10 + 2 + 2, 20 + 4 + 4
+    model = _Doubler()
+    pm = poptorchsim.inferenceModel(model, quiet_options())
+    assert torch.equal(pm(x), eager) and torch.equal(pm(x), eager)
+    assert torch.equal(model.k, torch.tensor([2.0, 4.0]))

@@ -29,6 +29,7 @@ from .decompositions import TraceableForms, decompositions, tracing_backends
 from .mixed_precision import MixedPrecision
 from .op_calls import PoptorchOpCalls
 from .weightless import explain_meta_constant, fake_meta_example
+from .trace_checks import constants_as_compiled, held_constants
 from .trace_checks import (_check_multiconvs, _drop_constant_reads, _explain_failure,  # noqa: F401
                            _named_inputs, _user_frame, forward_signature)
 
@@ -175,8 +176,9 @@ def _trace_model(fn, example, what, blocks, stack_traces, inputs):
     """``_trace`` of a model's step: inputs checked first, and a common
     mistake behind an exception of forward() raised as a typed error."""
     _check_inputs(*inputs)
+    held = held_constants(inputs[0])
     try:
-        return _trace(fn, example, what, blocks, stack_traces)
+        gm = _trace(fn, example, what, blocks, stack_traces)
     except Error:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised unless explained
@@ -185,6 +187,8 @@ def _trace_model(fn, example, what, blocks, stack_traces, inputs):
         if explained is None:
             raise
         raise explained from exc
+    constants_as_compiled(gm, held)
+    return gm
 
 
 def register_dict_types(value):

@@ -139,3 +139,94 @@ def _drop_constant_reads(gm):
     if changed:
         gm.graph.lint()
         gm.recompile()
+
+
+def held_constants(module):
+    """The tensors ``module``'s tree holds as plain attributes (not
+    parameters or buffers), which forward() reads as constants: {id: (the
+    tensor, its version counter, a copy)}, taken before the trace
+    (``constants_as_compiled``)."""
+    held = {}
+    for m in module.modules():
+        for value in vars(m).values():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) \
+                    and id(value) not in held and not value.is_inference():
+                held[id(value)] = (value, value._version, value.detach().clone())
+    return held
+
+
+def _attr(gm, target):
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+def _out_of_place(target):
+    """The out-of-place overload of an in-place ATen op (``add_.Tensor`` ->
+    ``add.Tensor``), or None."""
+    name = getattr(getattr(target, "overloadpacket", None), "__name__", "")
+    packet = getattr(aten, name[:-1], None) if name.endswith("_") else None
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
+def constants_as_compiled(gm, held):
+    """A tensor that forward() holds as a plain attribute is a constant of
+    the program, as PopTorch compiles it (its user guide's ``buffers.py``):
+
+    * its value is the one it had before the trace.  The trace ran
+      forward() once on it, so an in-place update there changed the
+      attribute once, as PopTorch's trace does, but the program starts from
+      the value before;
+    * an in-place op on it computes a new value, which the graph's later
+      reads of it see; no run writes the attribute (each run starts again
+      from the constant).  A buffer (``register_buffer``) is the way to
+      keep a value from run to run.
+
+    ``held``: ``held_constants`` of the model, taken before the trace."""
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    key_of, nodes_of = {}, {}       # node -> its constant's id; id -> nodes holding it
+    latest = {}                     # id -> the node of its value after in-place updates
+    target_key = {}                 # get_attr target -> its constant's id (before any swap)
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr":
+            if node.target not in target_key:
+                value = _attr(gm, node.target)
+                if not isinstance(value, torch.Tensor):
+                    continue
+                target_key[node.target] = id(value)
+                entry = held.get(id(value))
+                if entry is not None and entry[0] is value and value._version != entry[1]:
+                    owner, _, name = node.target.rpartition(".")
+                    setattr(gm.get_submodule(owner) if owner else gm, name, entry[2])
+                    changed = True
+            key = target_key[node.target]
+            if key in latest:               # read again after an update: the new value
+                node.replace_all_uses_with(latest[key])
+                continue
+            key_of[node] = key
+            nodes_of.setdefault(key, []).append(node)
+            continue
+        if node.op != "call_function" or not node.args or node.args[0] not in key_of:
+            continue
+        from ..ir.ops import is_inplace
+        functional = _out_of_place(node.target) if is_inplace(node.target) else None
+        if functional is None:
+            continue
+        key, at = key_of[node.args[0]], order[node]
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(functional, node.args, node.kwargs)
+        new.meta = dict(node.meta)
+        order[new] = at
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        for held_node in nodes_of[key]:     # later reads see the new value
+            held_node.replace_all_uses_with(
+                new, delete_user_cb=lambda user: order.get(user, len(order)) > at)
+        key_of[new] = key
+        nodes_of[key].append(new)
+        latest[key] = new
+        changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
