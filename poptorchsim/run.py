@@ -75,20 +75,13 @@ def parse(argv):
             p.error(str(e))
     if args.ipu_hardware is not None:
         from .errors import Error
-        from .estimate.targets import HARDWARE_ENV, hardware_ipus
-        saved = os.environ.get(HARDWARE_ENV)
-        os.environ[HARDWARE_ENV] = args.ipu_hardware
+        from .estimate.targets import parse_hardware
         try:
-            if hardware_ipus() is None:
+            if parse_hardware(args.ipu_hardware, "--ipu-hardware ") is None:
                 p.error(f"--ipu-hardware {args.ipu_hardware} reports no hardware: use on "
                         "or a number of IPUs (or leave the option out)")
         except Error as e:
-            p.error(str(e).replace(f"{HARDWARE_ENV}=", "--ipu-hardware "))
-        finally:
-            if saved is None:
-                del os.environ[HARDWARE_ENV]
-            else:
-                os.environ[HARDWARE_ENV] = saved
+            p.error(str(e))
     if args.module:
         others = [o for o in _without_in_process(options) if o != "-m"]
         if others:

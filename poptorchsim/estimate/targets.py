@@ -144,10 +144,16 @@ MAX_IPUS_PER_PROCESS = 64     # PopTorch reserves at most 64 IPUs per process
 
 def hardware_ipus():
     """The IPUs the simulated system reports as hardware, or None (the
-    default: no hardware, as honest).  ``POPTORCHSIM_IPU_HARDWARE``: 1, on,
-    true or yes for an IPU-POD64's 64 IPUs; a number from 2 for that many;
-    0, off, false, no or unset for none (``docs/porting.md``)."""
-    value = os.environ.get(HARDWARE_ENV, "").strip().lower()
+    default: no hardware, as honest), from ``POPTORCHSIM_IPU_HARDWARE``
+    (``parse_hardware``; ``docs/porting.md``)."""
+    return parse_hardware(os.environ.get(HARDWARE_ENV, ""), f"{HARDWARE_ENV}=")
+
+
+def parse_hardware(value, source):
+    """IPUs from a setting: 1, on, true or yes for an IPU-POD64's 64 IPUs; a
+    number from 2 for that many; 0, off, false, no or nothing for none
+    (None).  ``source`` names where it came from in the error."""
+    value = str(value).strip().lower()
     if value in _OFF:
         return None
     if value in _ON:
@@ -155,7 +161,6 @@ def hardware_ipus():
     if value.isdigit() and int(value) >= 2:
         return int(value)
     from ..errors import Error
-    raise Error(f"{HARDWARE_ENV}={value!r} is not a setting: use 1 (or on) for a system of "
+    raise Error(f"{source}{value!r} is not a setting: use 1 (or on) for a system of "
                 f"{MAX_IPUS_PER_PROCESS} IPUs, a number from 2 for that many IPUs, or 0 "
                 "(or unset) for no hardware")
-
