@@ -10,6 +10,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import DtypeError, Error, InputError
+from ..ir.ops import is_inplace
 from . import scopes as _scopes
 
 aten = torch.ops.aten
@@ -208,7 +209,6 @@ def constants_as_compiled(gm, held):
             continue
         if node.op != "call_function" or not node.args or node.args[0] not in key_of:
             continue
-        from ..ir.ops import is_inplace
         functional = _out_of_place(node.target) if is_inplace(node.target) else None
         if functional is None:
             continue
@@ -227,6 +227,8 @@ def constants_as_compiled(gm, held):
         latest[key] = new
         changed = True
     if changed:
-        gm.graph.eliminate_dead_code()
+        for node in list(gm.graph.nodes):   # the reads left without a user
+            if node.op == "get_attr" and node.target in target_key and not node.users:
+                gm.graph.erase_node(node)
         gm.graph.lint()
         gm.recompile()
