@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
 """The GPU check (issue 33): everything the CUDA host device promises, in one run.
 
-    python benchmarks/gpu_check.py [--examples DIR] [--json PATH]     (or: make gpu-check)
+    python benchmarks/gpu_check.py [--examples DIR [--app-deps DIRS]] [--json PATH]
+        [--only speed|parity|apps] [--workers N] [--log-dir DIR]     (or: make gpu-check)
 
 On a machine with a CUDA device it runs, with the simulator's host side on
-CUDA (``poptorchsim.setHostDevice("cuda")`` / ``POPTORCHSIM_DEVICE=cuda``):
+CUDA (``poptorchsim.setHostDevice("cuda")`` / ``POPTORCHSIM_DEVICE=cuda``),
+speed first, then parity, then the applications (on a GPU machine without
+the package registries: ``benchmarks/gpu_bundle.sh``, then
+``benchmarks/gpu_session.sh``):
 
 1. **parity**: ``tests/test_host_device.py`` (a training model on CUDA
    against eager CUDA, the IR the same as the CPU's; the device state kept
-   apart and read back lazily) and the model-hub sweep's CI subset
+   apart and read back lazily), the Triton rounding kernel against the
+   CPU's values, and the model-hub sweep's CI subset
    (``tests/test_model_hub.py``: Hugging Face, timm and torchvision models,
    inference, training, pipelined, replicated and fp16, at the sweep's
    tolerances, against eager PyTorch on the same GPU: the sweep's eager
@@ -25,8 +30,8 @@ CUDA (``poptorchsim.setHostDevice("cuda")`` / ``POPTORCHSIM_DEVICE=cuda``):
    and the ViT-B/16 pretraining test's configuration (bar: under 10 s per
    step).
 
-It ends with one table: check, figure, bar, pass.  Without CUDA it says so
-and exits 0 (CI is CPU-only).
+It ends with one table: check, figure, bar, pass (written after each part,
+``--json``).  Without CUDA it says so and exits 0 (CI is CPU-only).
 """
 import argparse
 import json
@@ -64,11 +69,13 @@ def _pytest(paths, env, workers=0, timeout=None):
             counts.get("skipped", 0))
 
 
+TRITON_ON_CUDA = "tests/test_precision.py::test_triton_stochastic_round_on_cuda_equals_the_cpus"
+
+
 def parity(rows, workers=0):
     env = dict(os.environ, POPTORCHSIM_DEVICE="cuda")
-    for name, paths, n in (("host device tests", ["tests/test_host_device.py", "tests/test_precision"
-                                                  ".py::test_triton_stochastic_round_on_cuda_"
-                                                  "equals_the_cpus"], 0),
+    host = ["tests/test_host_device.py", TRITON_ON_CUDA]
+    for name, paths, n in (("host device tests", host, 0),
                            ("model-hub subset", ["tests/test_model_hub.py"], workers)):
         passed, failed, skipped = _pytest(paths, env, n, timeout=300)
         rows.append((f"parity: {name}", f"{passed} passed, {failed} failed, {skipped} skipped",
