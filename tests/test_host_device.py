@@ -151,9 +151,16 @@ def test_launcher_device_flag_is_checked(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "poptorchsim.run", "--device", "cpu",
                          str(script)], capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0 and ok.stdout.strip() == "cpu", ok.stderr
-    bad = subprocess.run([sys.executable, "-m", "poptorchsim.run", "--device", "meta",
-                          str(script)], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "'cpu' or 'cuda'" in bad.stderr
+
+
+
+def test_launcher_refuses_a_bad_device_before_the_program_starts(tmp_path, capsys):
+    from poptorchsim.run import parse
+    script = tmp_path / "s.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    with pytest.raises(SystemExit) as bad:
+        parse(["--device", "meta", str(script)])
+    assert bad.value.code == 2 and "'cpu' or 'cuda'" in capsys.readouterr().err
 
 
 class _Factories(torch.nn.Module):

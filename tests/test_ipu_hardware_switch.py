@@ -134,13 +134,30 @@ def test_launcher_flag_runs_a_program_guarded_by_the_hardware_check(tmp_path):
     script = tmp_path / "guarded.py"
     script.write_text(_GUARDED)
     env = {k: v for k, v in os.environ.items() if k != "POPTORCHSIM_IPU_HARDWARE"}
-    run = [sys.executable, "-m", "poptorchsim.run"]
-    plain = subprocess.run(run + [str(script)], cwd=ROOT, env=env, capture_output=True,
-                           text=True, timeout=300)
-    assert plain.returncode == 0 and "no hardware" in plain.stdout, plain.stderr[-2000:]
-    on = subprocess.run(run + ["--ipu-hardware", "on", str(script)], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=300)
+    on = subprocess.run([sys.executable, "-m", "poptorchsim.run", "--ipu-hardware", "on",
+                         str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=300)
     assert on.returncode == 0 and "ran (3, 2)" in on.stdout, on.stderr[-2000:]
-    bad = subprocess.run(run + ["--ipu-hardware", "pod16", str(script)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "--ipu-hardware 'pod16' is not a setting" in bad.stderr
+
+
+def test_without_the_switch_the_guarded_program_stops(tmp_path, capsys):
+    """The same program in this process, as ``python program.py`` runs it."""
+    import runpy
+    script = tmp_path / "guarded.py"
+    script.write_text(_GUARDED.replace("import poptorch\n", "import poptorchsim as poptorch\n"))
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(script), run_name="__main__")
+    assert stopped.value.code == 0 and "no hardware" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value,message", [
+    ("pod16", "--ipu-hardware 'pod16' is not a setting"),
+    ("0", "--ipu-hardware 0 reports no hardware")])
+def test_launcher_refuses_a_bad_setting_before_the_program_starts(tmp_path, capsys, value,
+                                                                   message):
+    from poptorchsim.run import parse
+    script = tmp_path / "guarded.py"
+    script.write_text(_GUARDED)
+    with pytest.raises(SystemExit) as bad:
+        parse(["--ipu-hardware", value, str(script)])
+    assert bad.value.code == 2 and message in capsys.readouterr().err
