@@ -124,44 +124,11 @@ def test_stochastic_round_of_a_mostly_exact_tensor_rounds_the_others_only():
     assert abs((got.double() - inexact.double()).mean().item()) < 0.2 * step.double().mean().item()
 
 
-def test_compiled_stochastic_round_equals_the_pytorch_form(monkeypatch):
-    """``sr_kernel.py`` (numba, one pass) gives the PyTorch form's values bit
-    for bit: normal, subnormal (fp16 and fp32), huge, infinite, NaN (any
-    payload) and signed-zero values, in one window and in batched windows
-    (rows), with the shortcut for mostly exact tensors taken or not."""
-    sr_kernel = pytest.importorskip("poptorchsim.machine.sr_kernel")
-    if not sr_kernel.available():
-        pytest.skip("numba is not installed")
-    from poptorchsim.machine.streams import POOL, Window, Windows, draw_pool
-    g = torch.Generator().manual_seed(0)
-    n = 1 << 15
-    values = [torch.randn(n, generator=g) * s for s in (1e-8, 1e-6, 1e-4, 1, 1e3, 6e4)]
-    values.append(torch.randint(-2 ** 31, 2 ** 31 - 1, (n,), dtype=torch.int32,
-                                generator=g).view(torch.float32))      # NaN payloads too
-    values.append(torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"),
-                                65504.0, 65519.0, 65520.0, 2 ** -24, -2 ** -25, 2 ** -14,
-                                1e-45, -1e-45, 2 ** -14 * 0.99999]).repeat(64))
-    mostly = torch.randn(70_000, generator=g).half().float()
-    mostly[::97] += 1e-4
-    values.append(mostly)
-    pool = draw_pool(3)
-    for x in values:
-        for bits in (Window(pool, POOL - 100),                     # wraps around the pool
-                     Windows(pool, [5, POOL - 7, 12345], x.numel() // 4)):
-            x_ = x[:x.numel() // 4 * 3] if isinstance(bits, Windows) else x
-            monkeypatch.setenv("POPTORCHSIM_NUMBA", "1")
-            fast = stochastic_round(x_, bits)
-            monkeypatch.setenv("POPTORCHSIM_NUMBA", "0")
-            plain = stochastic_round(x_, bits)
-            assert torch.equal(fast.view(torch.int16), plain.view(torch.int16))
-
-
-def _rounding_cases():
+def _rounding_cases(n=1 << 13):
     """Values stochastic rounding must get right, as fp32 tensors: normal,
     subnormal (fp16 and fp32), huge, infinite, NaN (any payload), signed
-    zeros, and a tensor mostly of fp16 values."""
+    zeros (``n`` of each random kind), and a tensor mostly of fp16 values."""
     g = torch.Generator().manual_seed(0)
-    n = 1 << 13
     values = [torch.randn(n, generator=g) * s for s in (1e-8, 1e-6, 1e-4, 1, 1e3, 6e4)]
     values.append(torch.randint(-2 ** 31, 2 ** 31 - 1, (n,), dtype=torch.int32,
                                 generator=g).view(torch.float32))      # NaN payloads too
@@ -172,6 +139,28 @@ def _rounding_cases():
     mostly[::97] += 1e-4
     values.append(mostly)
     return values
+
+
+def test_compiled_stochastic_round_equals_the_pytorch_form(monkeypatch):
+    """``sr_kernel.py`` (numba, one pass) gives the PyTorch form's values bit
+    for bit: normal, subnormal (fp16 and fp32), huge, infinite, NaN (any
+    payload) and signed-zero values, in one window and in batched windows
+    (rows), with the shortcut for mostly exact tensors taken or not."""
+    sr_kernel = pytest.importorskip("poptorchsim.machine.sr_kernel")
+    if not sr_kernel.available():
+        pytest.skip("numba is not installed")
+    from poptorchsim.machine.streams import POOL, Window, Windows, draw_pool
+    values = _rounding_cases(1 << 15)
+    pool = draw_pool(3)
+    for x in values:
+        for bits in (Window(pool, POOL - 100),                     # wraps around the pool
+                     Windows(pool, [5, POOL - 7, 12345], x.numel() // 4)):
+            x_ = x[:x.numel() // 4 * 3] if isinstance(bits, Windows) else x
+            monkeypatch.setenv("POPTORCHSIM_NUMBA", "1")
+            fast = stochastic_round(x_, bits)
+            monkeypatch.setenv("POPTORCHSIM_NUMBA", "0")
+            plain = stochastic_round(x_, bits)
+            assert torch.equal(fast.view(torch.int16), plain.view(torch.int16))
 
 
 _TRITON_CHECK = """
@@ -189,7 +178,7 @@ for x in t._rounding_cases():
                      (Windows(pool, [5, POOL - 7, 12345], rows), x[:rows * 3])):
         plain = stochastic_round(x_, bits)                       # the PyTorch form
         starts = bits.starts if isinstance(bits, Windows) else bits.start
-        fast = sr_triton.round_rows(x_, pool, starts, rows if isinstance(bits, Windows) else 0)
+        fast = sr_triton.round_rows(x_, pool, starts, rows if isinstance(bits, Windows) else None)
         # NaNs as NaNs: a cast writes its own NaN bits (numpy's keep the payload)
         nan = plain.isnan()
         assert torch.equal(fast.isnan(), nan)

@@ -71,7 +71,7 @@ def stochastic_round(x, bits):
         # one Triton kernel (sr_triton.py): no launch per pass, no count read back
         if isinstance(bits, Windows):
             return sr_triton.round_rows(x, bits.pool, bits.starts, bits.n)
-        return sr_triton.round_rows(x, bits.pool, bits.start, x.numel())
+        return sr_triton.round_rows(x, bits.pool, bits.start)
     if x.device.type != "cpu" or x.numel() < _EXACT_FROM or not _mostly_exact(x):
         return _dense(x, bits)          # (on a GPU: no count read back, no blocks)
     flat = x.view(-1)

@@ -69,12 +69,12 @@ if triton is not None:
         tl.store(out_ptr + idx, v.to(tl.float16), mask=mask)
 
 
-def round_rows(x, pool, starts, n):
+def round_rows(x, pool, starts, n=None):
     """``x`` (fp32) rounded stochastically to fp16, on its device: value
     ``k`` of row ``i`` (rows of ``n`` values in memory order) reads bit
     ``k`` of the window at ``starts[i]`` of ``pool`` (int16, ``POOL``
-    values; ``starts`` an int64 tensor on the device, or one int for a
-    single row)."""
+    values; ``starts`` an int64 tensor on the device).  ``starts`` one int:
+    all of ``x`` is one row, from that window (no ``n``)."""
     flat = x.float().contiguous().view(-1)
     out = torch.empty(flat.numel(), dtype=torch.float16, device=flat.device)
     total = flat.numel()

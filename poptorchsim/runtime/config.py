@@ -56,9 +56,9 @@ class CompileConfig:
     placement: object = None          # passes.stages StagedSpec / PhasedSpec: the execution
                                       # strategy as data (None: PopTorch's default)
     auto_round: bool = False          # autoRoundNumIPUs
-    hardware: object = field(default=None, metadata={"key": False})
-                                      # IPUs reported as hardware (POPTORCHSIM_IPU_HARDWARE),
+    hardware: object = None           # IPUs reported as hardware (POPTORCHSIM_IPU_HARDWARE),
                                       # None without, or with the IPU Model or an offline target
+                                      # (in the cache key: it decides whether a model compiles)
     locations: dict = field(default_factory=dict)   # TensorLocations settings per kind
     io_tiles: int = 0
     precision: dict = None            # runtime.precision.settings
