@@ -136,17 +136,22 @@ def test_dropout_batches_with_the_serial_order_masks():
 def test_fp16_with_dropout_and_stochastic_rounding_batches_bit_for_bit():
     """An fp16 program with dropout and stochastic rounding: its micro-batches
     batch, and give the serial order's results bit for bit (every random
-    number is keyed by micro-batch and op, not drawn in order)."""
+    number is keyed by micro-batch and op, not drawn in order).  The call
+    the gradient watch counts batches too (the watch counts its first row),
+    with the serial order's numbers."""
     sr = lambda o: o.Precision.enableStochasticRounding(True)     # noqa: E731
-    _, serial_outs, serial_weights, _ = _train(False, nn.Dropout(0.3), configure=sr,
-                                               dtype=torch.float16)
+    serial, serial_outs, serial_weights, _ = _train(False, nn.Dropout(0.3), configure=sr,
+                                                    dtype=torch.float16)
     tm, outs, weights, calls = _train(True, nn.Dropout(0.3), configure=sr, dtype=torch.float16)
     assert serial_reason(tm.getIR().graphs["training_step"]) is None
-    assert sum(calls) >= 2 * DI * GA * RF - 2    # (the watch counts a micro-batch alone)
+    assert calls == [GA * RF] * (DI * 2)           # every micro-batch batched, counted too
     assert tm._engine.batch_fn is not None          # no fallback to the serial order
     for a, b in zip(serial_outs, outs):
         assert _identical(a, b)
     assert _identical(serial_weights, weights)
+    s_watch, b_watch = serial._compiled.watch, tm._compiled.watch
+    assert b_watch.values == s_watch.values > 0
+    assert b_watch.per_op == s_watch.per_op
 
 
 def test_half_partials_batch_bit_for_bit():

@@ -298,10 +298,16 @@ class Engine:
         updated micro-batch by micro-batch in the serial order by the
         batched function's ``tail`` (``batching.batched_graph``).  Should
         the batched call fail (an op vmap cannot batch), the engine runs
-        serially from then on.  A call the fp16 gradient watch counts runs
-        its first micro-batch (the one counted) on its own first."""
+        serially from then on.  A call the fp16 gradient watch counts
+        batches too: the watch counts the first row (``gradient_watch``),
+        unless the batched call leaves weight gradients to after it
+        (``batching._defer_weight_grads``): the counted micro-batch then
+        runs on its own first."""
         state, u = self._state, self._update
-        if self.watch is not None and self.watch.counting and batch:
+        if self.watch is not None and self.watch.counting and batch and \
+                getattr(self.batch_fn, "deferred", 0):
+            # the batched call makes some weight gradients after it, out of the
+            # watch's sight: the counted micro-batch runs on its own first
             (i, g, r), batch = batch[0], batch[1:]
             self._counters["device_iteration"], self._counters["accumulation"] = i, g
             self._micro_batch(r)

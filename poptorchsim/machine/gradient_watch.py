@@ -2,6 +2,7 @@
 import math
 
 import torch
+from torch._C import _functorch as _ft
 
 from .half_partials import half_partials_kernel, uses_half_partials
 from .precision import ROUNDS_LIKE_FP32, SLOW_IN_HALF, rounds_stochastically
@@ -15,6 +16,15 @@ _UNDERFLOW, _OVERFLOW = 2.0 ** -25, 65520.0
 _BOUNDS = torch.tensor([0.0, _UNDERFLOW,
                         float(torch.nextafter(torch.tensor(_OVERFLOW), torch.tensor(0.0))),
                         torch.finfo(torch.float32).max])
+
+
+def _row_zero(t):
+    """The first micro-batch's values of ``t``: in a batched call (the
+    engine's ``torch.func.vmap`` over micro-batches), row 0 of its batched
+    dimension, a plain tensor (the values the serial order gives it)."""
+    while isinstance(t, torch.Tensor) and _ft.is_batchedtensor(t):
+        t = _ft.get_unwrapped(t).select(_ft.maybe_get_bdim(t), 0)
+    return t
 
 
 class GradientWatch:
@@ -35,7 +45,8 @@ class GradientWatch:
     come from that fp32 result: what rounds to zero or to infinity is known
     from its magnitude (the range of the fp16 result and two counts of
     non-zeros for most results).  They are counted over the first
-    micro-batch (of its first replica) of a call that ``reset`` starts;
+    micro-batch (of its first replica) of a call that ``reset`` starts (in
+    a batched call, the first row of each batched result: ``_row_zero``);
     ``skip`` leaves a call uncounted (the runtime counts about one
     micro-batch in 16: the counting costs about one fp32 step).  An op
     with half partials runs its own kernel and is compared with the fp32
@@ -76,6 +87,7 @@ class GradientWatch:
             outs = [out] if isinstance(out, torch.Tensor) else list(out)
             wides = [wide] if isinstance(wide, torch.Tensor) else list(wide)
             for o, w in zip(outs, wides):
+                o, w = _row_zero(o), _row_zero(w)
                 if isinstance(o, torch.Tensor) and o.dtype == HALF and isinstance(w, torch.Tensor):
                     if exact:       # fp16 partial sums: not a rounding of ``wide``
                         self._count_values(op.name, o, w)

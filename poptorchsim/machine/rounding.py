@@ -64,9 +64,9 @@ def stochastic_round(x, bits):
     x = x.float().contiguous()
     if x.device.type == "cpu" and isinstance(bits, (Window, Windows)) and _compiled():
         # one compiled pass (sr_kernel.py): every value, the same bits, the same result
-        rows = bits.rows if isinstance(bits, Windows) else [bits]
-        n = bits.n if isinstance(bits, Windows) else x.numel()
-        return sr_kernel.round_rows(x, bits.pool, [w.start for w in rows], n)
+        if isinstance(bits, Windows):
+            return sr_kernel.round_rows(x, bits.pool, bits.first, bits.n)
+        return sr_kernel.round_rows(x, bits.pool, [bits.start], x.numel())
     if x.device.type != "cpu" and isinstance(bits, (Window, Windows)) and _on_gpu(x.device):
         # one Triton kernel (sr_triton.py): no launch per pass, no count read back
         if isinstance(bits, Windows):
@@ -188,7 +188,11 @@ class _RoundRows(torch.autograd.Function):
         x = x.movedim(x_dim, 0) if x_dim is not None else x.expand((rows,) + x.shape)
         keys = (key.movedim(key_dim, 0).tolist() if key_dim is not None
                 else [key.tolist()] * rows)
-        starts = [Streams.window_start((k0 & MASK32, k1 & MASK32), stream) for k0, k1 in keys]
+        if _compiled():                 # one compiled loop (sr_kernel.py), the same starts
+            starts = sr_kernel.window_starts(keys, stream)
+        else:
+            starts = [Streams.window_start((k0 & MASK32, k1 & MASK32), stream)
+                      for k0, k1 in keys]
         n = x[0].numel()
         return stochastic_round(x, Windows(pool, starts, n)), 0
 

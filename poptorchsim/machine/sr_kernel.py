@@ -109,13 +109,47 @@ def _rows_parallel(bits, values, pool, starts, n, out):
             k += count
 
 
+def _mix32(x):
+    """``streams.mix32_int`` on an int64 holding a value in [0, 2**32)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _starts(keys, stream, out):
+    """``streams.Streams.window_start`` of result ``stream`` under each row
+    of ``keys`` (int64, rows x 2, words in [0, 2**32))."""
+    s = stream & 0xFFFFFFFF
+    a = (s * 0x9E3779B1) & 0xFFFFFFFF
+    b = _mix32_compiled(s ^ 0x5BD1E995)
+    for row in range(keys.shape[0]):
+        k0 = _mix32_compiled(keys[row, 0] ^ a)
+        k1 = _mix32_compiled(keys[row, 1] ^ b)
+        out[row] = _mix32_compiled(_mix32_compiled(k0) ^ k1) % POOL
+
+
 if njit is not None:
+    _mix32_compiled = njit(cache=True, nogil=True)(_mix32)
+    _starts_compiled = njit(cache=True, nogil=True)(_starts)
     _segment_compiled = njit(cache=True, nogil=True, boundscheck=False)(_segment)
     _kernel = njit(cache=True, nogil=True, boundscheck=False)(_rows)
     _kernel_parallel = njit(cache=True, nogil=True, boundscheck=False, parallel=True)(
         _rows_parallel)
 else:
     _kernel = _kernel_parallel = None
+
+
+def window_starts(keys, stream):
+    """Where result ``stream``'s windows start under ``keys`` (rows of two
+    int32 words, as ``Tensor.tolist`` gives them), as a list of integers:
+    ``Streams.window_start`` of each row, in one compiled loop (the same
+    integers; ``tests/test_random_streams.py`` checks it)."""
+    words = np.asarray(keys, dtype=np.int64).reshape(-1, 2) & 0xFFFFFFFF
+    out = np.empty(words.shape[0], dtype=np.int64)
+    _starts_compiled(words, int(stream), out)
+    return out.tolist()
 
 
 def round_rows(x, pool, starts, n):

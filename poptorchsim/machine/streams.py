@@ -33,6 +33,7 @@ starting at a keyed hash of the op (``Streams.window``): value ``j`` of an
 op's result reads ``pool[(start + j) mod POOL]``, the same in a serial and a
 batched run.
 """
+import functools
 import hashlib
 import math
 
@@ -206,11 +207,17 @@ class Windows:
     results with these gives each the values it gets alone."""
 
     def __init__(self, pool, starts, n):
-        self.rows = [Window(pool, s) for s in starts]
+        self.first = [int(s) for s in starts]          # each row's start, as integers
+        self.rows = [Window(pool, s) for s in self.first]
         self.pool, self.n = pool, int(n)
-        # to the pool's device without waiting for it (a GPU's queue runs on)
-        self.starts = torch.tensor([w.start for w in self.rows], dtype=torch.int64).to(
-            pool.device, non_blocking=True)
+
+    @functools.cached_property
+    def starts(self):
+        """The rows' starts as an int64 tensor on the pool's device, made at
+        first use (a CPU rounding reads ``first``), sent without waiting for
+        the device (a GPU's queue runs on)."""
+        return torch.tensor(self.first, dtype=torch.int64).to(self.pool.device,
+                                                               non_blocking=True)
 
     def range(self, first, count):
         parts, pos, end = [], first, first + count
