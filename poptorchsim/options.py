@@ -219,16 +219,18 @@ class Options(_CompilerOptions, _OptionsDict):
         return self.set(sync_pattern=sync_pattern.value)
 
     def maxRepeatLogs(self, max_lines):
-        """A log line repeated back to back is shown at most ``max_lines``
-        times, then dropped until a different line comes (default 4;
-        ``None``: show all).  Applies to poptorchsim's logger from the moment
-        a model wrapped with these options is created (``runtime/log_repeats.py``)."""
+        """How many lines a repetitive log call site prints before it says
+        "...repeated messages suppressed..." (default 4; ``None``: all).
+        PopTorch limits three call sites this way, all warnings of its
+        dispatcher's type coercion (``logging::warn(log_repeat, ...)``);
+        every other line, its Python warnings among them, always prints.
+        poptorchsim has no such site, so the setting is checked and kept
+        (``max_repeat_logs``) and changes no output."""
         if max_lines is not None and (isinstance(max_lines, bool)
                                       or not isinstance(max_lines, int) or max_lines < 0):
             raise ValueError(f"maxRepeatLogs expects None or an integer >= 0, got "
                              f"{max_lines!r}")
-        from .runtime.log_repeats import UNLIMITED
-        return self.set(max_repeat_logs=UNLIMITED if max_lines is None else max_lines)
+        return self.set(max_repeat_logs=(1 << 64) - 1 if max_lines is None else max_lines)
 
     def disableModuleNamescope(self):
         """Op names without their module's name scope: with it (the default)

@@ -67,15 +67,6 @@ class Scoped(nn.Module):
         return x if y is None else (x, self.loss(x, y))
 
 
-@pytest.fixture(autouse=True)
-def _forget_repeated_log_lines():
-    """Many models here use 3 IPUs and log the same power-of-2 warning; let a
-    later test see that line again (Options.maxRepeatLogs drops repeats)."""
-    yield
-    from poptorchsim.runtime import log_repeats
-    log_repeats.FILTER._last, log_repeats.FILTER._count = None, 0
-
-
 def batch(n, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g)

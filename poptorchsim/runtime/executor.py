@@ -18,7 +18,7 @@ from ..capture.scopes import module_name_scopes
 from ..errors import Error, FloatingPointException
 from ..machine import host_device
 from ..machine.engine import Engine, OutputCollector
-from . import cache, compiler, export, lazy_weights, log_repeats, observe
+from . import cache, compiler, export, lazy_weights, observe
 from . import optimizer_checks as opt_checks
 from .config import CompileConfig, output_mode
 from .engine_options import profiling_directory
@@ -80,7 +80,6 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         self._sim_clock = 0.0
         self._inputs = ModelInputs(model)
         self._output_mode = output_mode(options, training)
-        log_repeats.apply(options)       # Options.maxRepeatLogs
         self._observe = observe.Observation(options, self._output_mode)    # anchors, cycles
         self._gradients = GradientMonitor()     # fp16 gradients, automatic loss scaling
         self._opt_settings = None       # the optimizer as the compiled update has it
@@ -199,6 +198,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         if self._training:
             self._opt_settings, _ = update_plan(self._optimizer, ga, config.running_mean,
                                                 config.auto_loss_scaling)
+            self._log_optimizer(self._opt_settings)
             self._configure_update()
         self._observe.attach(compiled, self._engine)
         self._configure_batching()

@@ -10,6 +10,7 @@ from ..machine.batching import batched_graph, serial_reason
 from ..machine.engine import Accumulation
 from . import compiler
 from . import optimizer_checks as opt_checks
+from . import optimizer_log
 from .update import check_loss_scaling, update_plan
 
 
@@ -106,6 +107,18 @@ class _OptimizerHandling:
                 getattr(self._optimizer, "ipu_state_is_dirty", False):
             self._weights.write_device_state(self._compiled, self._optimizer)
 
+    def _log_optimizer(self, settings, old=None):
+        """PopTorch's debug lines for the optimizer the device now holds,
+        when it holds other values than ``old`` (``optimizer_log``)."""
+        if old is not None and (old.values, old.attrs) == (settings.values, settings.attrs):
+            return
+        c = self._compiled
+        groups = [[] for _ in range(settings.groups)]
+        for name, g in zip(c.capture.trainable_names, c.group_of):
+            if g < len(groups):
+                groups[g].append(name)
+        optimizer_log.log(settings, groups)
+
     def _group_tensor_names(self):
         """{param group: its first trainable parameter's name}, for PopART's texts."""
         c = self._compiled
@@ -143,6 +156,7 @@ class _OptimizerHandling:
             if hasattr(old, "_use_on_device"):
                 old._use_on_device(None)
         self._optimizer = optimizer
+        self._log_optimizer(settings, self._opt_settings)
         self._opt_settings = settings
         if plan != c.plan:
             compiler.rebuild_update(c, self._user_model, optimizer, self._config)

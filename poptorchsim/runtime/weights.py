@@ -15,6 +15,8 @@ recompilation.  The loss scaling is one more device scalar, read by the
 training step (the loss is multiplied by it before the backward pass) and
 folded into ``grad_scale`` (the update divides the gradients by it).
 """
+import logging
+
 import torch
 
 from .. import enums
@@ -24,6 +26,8 @@ from ..machine.precision import LossScale
 from . import optimizer_state as opt_layout
 from .host_memory import keep_freed_memory
 from .optimizer_checks import read_settings
+
+_log = logging.getLogger("poptorchsim")
 
 
 class DeviceState:
@@ -258,6 +262,7 @@ class DeviceWeights:
         scaled), under PopART's names (``Accl___<param>``, ``Accl1___``,
         ``Accl2___``, ``Accl3___``, ``Step___``), and the hyperparameters."""
         c = compiled
+        _log.info("Writing optimiser state tensors from IPU to host.")     # PopTorch's line
         params = dict(self.model.named_parameters())
         ipu_state = {}
         for n, (_, written), slots, step in zip(c.capture.trainable_names, c.slots,
@@ -309,6 +314,7 @@ class DeviceWeights:
         hyperparameters come from the optimizer's param_groups, which
         ``load_state_dict`` restored."""
         c = compiled
+        _log.info("Writing optimiser state tensors from host to IPU memory.")
         saved = optimizer._state_dict.get("ipu_state") or {}
         for i, (n, (_, written)) in enumerate(zip(c.capture.trainable_names, c.slots)):
             for k, s in enumerate(written):
