@@ -67,7 +67,8 @@ class Options(_CompilerOptions, _OptionsDict):
         object.__setattr__(self, "_tensor_locations", _TensorLocationOptions())
         object.__setattr__(self, "_jit", _JitOptions())
         object.__setattr__(self, "_popart", _PopartOptions())
-        object.__setattr__(self, "_execution_strategy", None)   # see execution_strategy
+        # PopTorch's default strategy, as PopTorch's Options holds it
+        object.__setattr__(self, "_execution_strategy", PipelinedExecution())
         object.__setattr__(self, "_module_namescope_enabled", True)
         cache_dir = os.environ.get("POPTORCH_CACHE_DIR", "")
         if cache_dir:
@@ -147,11 +148,7 @@ class Options(_CompilerOptions, _OptionsDict):
     def execution_strategy(self):
         """The strategy set by ``setExecutionStrategy``; ``PipelinedExecution()``
         (stage = each block's ``ipu_id``) until one is set."""
-        strategy = vars(self).get("_execution_strategy")
-        if strategy is None:
-            strategy = PipelinedExecution()
-            object.__setattr__(self, "_execution_strategy", strategy)
-        return strategy
+        return self._execution_strategy
 
     # -- misc -------------------------------------------------------------------
     def randomSeed(self, random_seed):
