@@ -303,6 +303,38 @@ def test_two_independent_losses_raise_loss_error():
     assert_unchanged(model, before)
 
 
+class _ChainedLosses(nn.Module):
+    """A custom loss with an identity_loss inside (reducing a term) and the
+    final identity_loss computed from it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        out = self.fc(x)
+        partial = poptorchsim.identity_loss(out - y, reduction="sum")
+        return out, partial, poptorchsim.identity_loss(partial * partial * 5, reduction="mean")
+
+
+def test_a_loss_computed_from_another_identity_loss_is_the_final_one():
+    torch.manual_seed(0)
+    model = _ChainedLosses()
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    ref = copy.deepcopy(model)
+    training_model = poptorchsim.trainingModel(model, quiet_options(), sgd(model))
+    _, partial, loss = training_model(x, y)
+    out = ref.fc(x)
+    torch.testing.assert_close(partial, (out - y).sum())
+    torch.testing.assert_close(loss, ((out - y).sum() ** 2 * 5))
+    # the step trained on the final loss: plain PyTorch's step on it
+    opt = sgd(ref)
+    (((ref.fc(x) - y).sum() ** 2) * 5).backward()
+    opt.step()
+    training_model.copyWeightsToHost()
+    torch.testing.assert_close(model.fc.weight, ref.fc.weight)
+
+
 @pytest.mark.parametrize("cls,reduction", [(IdentityLoss, "mean"),
                                            (HandMadeIdentityLoss, "mean"),
                                            (HandMadeIdentityLoss, "sum")])

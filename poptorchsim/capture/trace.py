@@ -260,11 +260,34 @@ def _select_loss(recorded):
             "F.mse_loss, ...) or mark it with poptorchsim.identity_loss(loss, "
             "reduction='mean').")
     if len(candidates) > 1:
+        # a loss another loss is computed from is not final (an identity_loss
+        # inside a custom loss function, reducing a term): the final one is
+        candidates = [c for c in candidates
+                      if not any(d is not c and _computed_from(d[1], c[1]) for d in candidates)]
+    if len(candidates) > 1:
         raise LossError(
             "Multiple independent losses found in graph. Graph must have one final "
             "loss. Wrap final graph loss in poptorch.identity_loss.")
     kind, loss, where = candidates[0]
     return loss, kind, where
+
+
+def _computed_from(tensor, source):
+    """Is ``tensor`` computed from ``source`` (its autograd graph reaches
+    ``source``'s)?"""
+    target = source.grad_fn
+    if target is None or tensor.grad_fn is None:
+        return False
+    seen, stack = set(), [tensor.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        if fn is target:
+            return True
+        seen.add(fn)
+        stack.extend(f for f, _ in fn.next_functions)
+    return False
 
 
 def _warn_unused_terms(recorder, loss, kind, where, out):
