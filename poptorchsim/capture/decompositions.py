@@ -92,6 +92,10 @@ class TraceableForms(TorchFunctionMode):
 
     * ``F.one_hot(y, n)``: its kernel checks the values of ``y`` even though
       ``n`` fixes the shape; traced as ``y[..., None] == arange(n)``;
+    * ``torch.bincount(x, weights, minlength=n)``: PopTorch's form, whose
+      length is ``minlength`` (on the IPU the minimum length is also the
+      maximum: values from ``n`` up are not counted); traced as a
+      scatter-add into ``n`` bins;
     * ``out=`` arguments (``torch.matmul(a, b, out=c)``): the result is
       computed, then copied into ``out`` (which functionalization handles,
       under autograd too)."""
@@ -100,11 +104,29 @@ class TraceableForms(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.nn.functional.one_hot or func is torch._C._nn.one_hot:
             return _one_hot(*args, **kwargs)
+        if func is torch.bincount or func is torch.Tensor.bincount:
+            return _bincount(*args, **kwargs)
         out = kwargs.get("out")
         if out is not None:
             result = func(*args, **{k: v for k, v in kwargs.items() if k != "out"})
             return _copy_out(out, result)
         return func(*args, **kwargs)
+
+
+def _bincount(input, weights=None, minlength=0):
+    if isinstance(minlength, bool) or not isinstance(minlength, int) or minlength <= 0:
+        raise Error("Bincount `minlength` must be specified and must be a constant. On the "
+                    "IPU MK2 platform the minimum length is also the maximum length "
+                    "(poptorchsim: pass minlength=N, the number of bins; values of N and "
+                    "more are not counted)")
+    counted = input < minlength
+    index = torch.where(counted, input, torch.zeros_like(input))
+    if weights is None:
+        values = counted.to(torch.int64)
+    else:
+        values = torch.where(counted, weights, torch.zeros_like(weights))
+    return torch.zeros(minlength, dtype=values.dtype, device=input.device).scatter_add(
+        0, index, values)
 
 
 def _copy_out(out, result):
