@@ -840,3 +840,26 @@ def test_option_errors_say_how_to_fix_them():
         poptorchsim.Options().Training.gradientAcumulation(2)
     with pytest.raises(AttributeError, match=r"Invalid attribute zzz\.$"):
         poptorchsim.Options().zzz()
+
+
+def test_a_destroyed_wrapper_compiles_again_for_other_inputs():
+    """After destroy(), the mismatch error's fix: the same wrapper called
+    with inputs of another structure (a list) compiles for them, and a
+    change forward() makes to an input in place reaches the caller's list."""
+    class AddInPlace(nn.Module):
+        def forward(self, x):
+            if isinstance(x, list):
+                x[0] += 4
+            else:
+                x += 1
+
+    model = poptorchsim.inferenceModel(AddInPlace(), quiet_options())
+    t = torch.ones(1)
+    model(t)
+    assert t.item() == 2.0
+    with pytest.raises(poptorchsim.InputMismatchError):
+        model([torch.ones(1)])
+    model.destroy()
+    listed = [torch.ones(1)]
+    assert model(listed) is None
+    assert listed[0].item() == 5.0

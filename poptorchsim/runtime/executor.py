@@ -402,6 +402,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         self._compiled = None
         self._attached = False
         self._weightless = False
+        self._inputs = ModelInputs(self._inputs._model)     # a new call compiles for its own
         self.__dict__.pop("_engine", None)
         self._weights.release()
         self._observe.tap, self._observe.values = None, {}
