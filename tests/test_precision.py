@@ -145,14 +145,14 @@ def test_compiled_stochastic_round_equals_the_pytorch_form(monkeypatch):
     """``sr_kernel.py`` (numba, one pass) gives the PyTorch form's values bit
     for bit: normal, subnormal (fp16 and fp32), huge, infinite, NaN (any
     payload) and signed-zero values, in one window and in batched windows
-    (rows), with the shortcut for mostly exact tensors taken or not; large
-    results on numba's threads too (chunks across rows and the pool's end)."""
+    (rows), with the shortcut for mostly exact tensors taken or not, and
+    a large result in rows that wrap around the pool's end."""
     sr_kernel = pytest.importorskip("poptorchsim.machine.sr_kernel")
     if not sr_kernel.available():
         pytest.skip("numba is not installed")
     from poptorchsim.machine.streams import POOL, Window, Windows, draw_pool
     values = _rounding_cases(1 << 15)
-    big = torch.cat(values[:7])[:4 * sr_kernel._CHUNK + 12]     # rows of 65,539 values
+    big = torch.cat(values[:7])[:262_156]              # rows of 65,539 values
     values.append(big[torch.randperm(big.numel(), generator=torch.Generator().manual_seed(1))])
     pool = draw_pool(3)
     for x in values:

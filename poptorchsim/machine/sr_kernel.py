@@ -34,8 +34,7 @@ import torch
 from .streams import POOL
 
 try:
-    import numba
-    from numba import njit, prange
+    from numba import njit
 except ImportError:             # the PyTorch form runs (rounding.py)
     njit = None
 
@@ -45,15 +44,6 @@ _I = np.int32
 def available():
     """Can the compiled kernel run here (numba installed, not switched off)?"""
     return njit is not None and os.environ.get("POPTORCHSIM_NUMBA", "1") != "0"
-
-
-def _threads():
-    """numba's threads for a rounding: as many as PyTorch's intra-op threads
-    (``torch.set_num_threads``), at most numba's own limit."""
-    want = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    if numba.get_num_threads() != want:
-        numba.set_num_threads(want)
-    return want
 
 
 def _segment(bits, values, pool, first_bit, first, count, out):
@@ -90,25 +80,6 @@ def _rows(bits, values, pool, starts, n, out):
             done += count
 
 
-_CHUNK = 1 << 16        # values a thread rounds at a time (``_rows_parallel``)
-
-
-def _rows_parallel(bits, values, pool, starts, n, out):
-    """``_rows`` on numba's threads: the values cut into chunks of ``_CHUNK``
-    (each chunk's values read the bits ``_rows`` gives them)."""
-    total = starts.size * n
-    for c in prange((total + _CHUNK - 1) // _CHUNK):
-        k = c * _CHUNK
-        end = min(total, k + _CHUNK)
-        while k < end:
-            row = k // n
-            done = k - row * n
-            first_bit = (starts[row] + done) % POOL
-            count = min(end - k, n - done, POOL - first_bit)
-            _segment_compiled(bits, values, pool, first_bit, k, count, out)
-            k += count
-
-
 def _mix32(x):
     """``streams.mix32_int`` on an int64 holding a value in [0, 2**32)."""
     x ^= x >> 16
@@ -135,10 +106,8 @@ if njit is not None:
     _starts_compiled = njit(cache=True, nogil=True)(_starts)
     _segment_compiled = njit(cache=True, nogil=True, boundscheck=False)(_segment)
     _kernel = njit(cache=True, nogil=True, boundscheck=False)(_rows)
-    _kernel_parallel = njit(cache=True, nogil=True, boundscheck=False, parallel=True)(
-        _rows_parallel)
 else:
-    _kernel = _kernel_parallel = None
+    _kernel = None
 
 
 def window_starts(keys, stream):
@@ -159,9 +128,9 @@ def round_rows(x, pool, starts, n):
     flat = x.float().contiguous().view(-1)
     out = torch.empty(flat.numel(), dtype=torch.int16)
     values = flat.numpy()
-    # on two threads from 2 chunks (1.7-2x faster on a 2-core machine); smaller
-    # results on one (the threads' start cost more than they saved)
-    kernel = _kernel_parallel if flat.numel() >= 2 * _CHUNK and _threads() > 1 else _kernel
-    kernel(values.view(np.int32), values, pool.numpy(), np.asarray(starts, dtype=np.int64),
-           int(n), out.numpy())
+    # one thread: numba's parallel kernel ran 1.7-2x faster on 2 cores, but its
+    # GNU OpenMP threads leave a forked child (a data loader's worker) hanging
+    # in PyTorch's own parallel kernels
+    _kernel(values.view(np.int32), values, pool.numpy(), np.asarray(starts, dtype=np.int64),
+            int(n), out.numpy())
     return out.view(torch.float16).view(x.shape)
