@@ -145,14 +145,14 @@ def test_compiled_stochastic_round_equals_the_pytorch_form(monkeypatch):
     """``sr_kernel.py`` (numba, one pass) gives the PyTorch form's values bit
     for bit: normal, subnormal (fp16 and fp32), huge, infinite, NaN (any
     payload) and signed-zero values, in one window and in batched windows
-    (rows), with the shortcut for mostly exact tensors taken or not, and
-    a large result in rows that wrap around the pool's end."""
+    (rows), with the shortcut for mostly exact tensors taken or not; large
+    results on numba's threads too (chunks across rows and the pool's end)."""
     sr_kernel = pytest.importorskip("poptorchsim.machine.sr_kernel")
     if not sr_kernel.available():
         pytest.skip("numba is not installed")
     from poptorchsim.machine.streams import POOL, Window, Windows, draw_pool
     values = _rounding_cases(1 << 15)
-    big = torch.cat(values[:7])[:262_156]              # rows of 65,539 values
+    big = torch.cat(values[:7])[:4 * sr_kernel._CHUNK + 12]     # rows of 65,539 values
     values.append(big[torch.randperm(big.numel(), generator=torch.Generator().manual_seed(1))])
     pool = draw_pool(3)
     for x in values:
@@ -164,6 +164,44 @@ def test_compiled_stochastic_round_equals_the_pytorch_form(monkeypatch):
             monkeypatch.setenv("POPTORCHSIM_NUMBA", "0")
             plain = stochastic_round(x_, bits)
             assert torch.equal(fast.view(torch.int16), plain.view(torch.int16))
+
+
+def _round_in_child(x, pool, queue):
+    import torch as t
+    from poptorchsim.machine import sr_kernel
+    t.set_num_threads(2)                # numba's threads would be wanted here too
+    queue.put(sr_kernel.round_rows(x, pool, [7], x.numel()).view(t.int16).numpy().tobytes())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_rounds_after_the_parent_used_numbas_threads():
+    """GNU OpenMP terminates a forked child that starts its threads again
+    ("fork() called from a process already using GNU OpenMP"): the child
+    (a data loader's worker, a forked program) rounds on one thread, to the
+    same bits."""
+    sr_kernel = pytest.importorskip("poptorchsim.machine.sr_kernel")
+    if not sr_kernel.available():
+        pytest.skip("numba is not installed")
+    import multiprocessing
+    from poptorchsim.machine.streams import draw_pool
+    pool = draw_pool(0)
+    x = torch.randn(4 * sr_kernel._CHUNK, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        here = sr_kernel.round_rows(x, pool, [7], x.numel()).view(torch.int16)
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_round_in_child, args=(x, pool, queue))
+        child.start()
+        try:
+            there = queue.get(timeout=30)           # (before join: the pipe is small)
+        except Exception:  # noqa: BLE001 - the child died: its exit code says how
+            there = None
+        child.join(60)
+    finally:
+        torch.set_num_threads(threads)
+    assert child.exitcode == 0 and here.numpy().tobytes() == there
 
 
 _TRITON_CHECK = """

@@ -34,7 +34,8 @@ import torch
 from .streams import POOL
 
 try:
-    from numba import njit
+    import numba
+    from numba import njit, prange
 except ImportError:             # the PyTorch form runs (rounding.py)
     njit = None
 
@@ -44,6 +45,30 @@ _I = np.int32
 def available():
     """Can the compiled kernel run here (numba installed, not switched off)?"""
     return njit is not None and os.environ.get("POPTORCHSIM_NUMBA", "1") != "0"
+
+
+_threaded = {"pid": None, "failed": False}     # the process using numba's threads
+
+
+def _use_threads(n):
+    """Round ``n`` values on numba's threads?  From 2 chunks, with as many
+    threads as PyTorch's intra-op threads (``torch.set_num_threads``; a
+    data loader's worker sets 1), and only in the process that first used
+    them: GNU OpenMP terminates a forked child that starts its threads
+    again ("fork() called from a process already using GNU OpenMP"), so a
+    forked child rounds on one thread."""
+    if n < 2 * _CHUNK or _threaded["failed"]:
+        return False
+    want = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if want < 2:
+        return False
+    if _threaded["pid"] is None:
+        _threaded["pid"] = os.getpid()
+    if _threaded["pid"] != os.getpid():
+        return False
+    if numba.get_num_threads() != want:
+        numba.set_num_threads(want)
+    return True
 
 
 def _segment(bits, values, pool, first_bit, first, count, out):
@@ -80,6 +105,25 @@ def _rows(bits, values, pool, starts, n, out):
             done += count
 
 
+_CHUNK = 1 << 16        # values a thread rounds at a time (``_rows_parallel``)
+
+
+def _rows_parallel(bits, values, pool, starts, n, out):
+    """``_rows`` on numba's threads: the values cut into chunks of ``_CHUNK``
+    (each chunk's values read the bits ``_rows`` gives them)."""
+    total = starts.size * n
+    for c in prange((total + _CHUNK - 1) // _CHUNK):
+        k = c * _CHUNK
+        end = min(total, k + _CHUNK)
+        while k < end:
+            row = k // n
+            done = k - row * n
+            first_bit = (starts[row] + done) % POOL
+            count = min(end - k, n - done, POOL - first_bit)
+            _segment_compiled(bits, values, pool, first_bit, k, count, out)
+            k += count
+
+
 def _mix32(x):
     """``streams.mix32_int`` on an int64 holding a value in [0, 2**32)."""
     x ^= x >> 16
@@ -102,12 +146,17 @@ def _starts(keys, stream, out):
 
 
 if njit is not None:
+    if "NUMBA_THREADING_LAYER" not in os.environ:
+        # OpenMP or TBB: safe for rounding from several threads at once
+        numba.config.THREADING_LAYER = "threadsafe"
     _mix32_compiled = njit(cache=True, nogil=True)(_mix32)
     _starts_compiled = njit(cache=True, nogil=True)(_starts)
     _segment_compiled = njit(cache=True, nogil=True, boundscheck=False)(_segment)
     _kernel = njit(cache=True, nogil=True, boundscheck=False)(_rows)
+    _kernel_parallel = njit(cache=True, nogil=True, boundscheck=False, parallel=True)(
+        _rows_parallel)
 else:
-    _kernel = None
+    _kernel = _kernel_parallel = None
 
 
 def window_starts(keys, stream):
@@ -128,9 +177,15 @@ def round_rows(x, pool, starts, n):
     flat = x.float().contiguous().view(-1)
     out = torch.empty(flat.numel(), dtype=torch.int16)
     values = flat.numpy()
-    # one thread: numba's parallel kernel ran 1.7-2x faster on 2 cores, but its
-    # GNU OpenMP threads leave a forked child (a data loader's worker) hanging
-    # in PyTorch's own parallel kernels
-    _kernel(values.view(np.int32), values, pool.numpy(), np.asarray(starts, dtype=np.int64),
+    args = (values.view(np.int32), values, pool.numpy(), np.asarray(starts, dtype=np.int64),
             int(n), out.numpy())
+    # on two threads from 2 chunks (1.7-2x faster on a 2-core machine); smaller
+    # results on one (the threads' start cost more than they saved)
+    if _use_threads(flat.numel()):
+        try:
+            _kernel_parallel(*args)
+            return out.view(torch.float16).view(x.shape)
+        except ValueError:          # no thread-safe threading layer here: one thread
+            _threaded["failed"] = True
+    _kernel(*args)
     return out.view(torch.float16).view(x.shape)
