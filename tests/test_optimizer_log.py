@@ -97,3 +97,27 @@ def test_the_optimizer_state_transfers_are_logged(records):
     opt.load_state_dict(state)
     tm(*_data())
     assert _lines(records, "Writing optimiser state tensors from host to IPU memory.")
+
+
+def test_the_state_dict_is_read_again_only_after_the_device_changed_it(records):
+    """PopTorch's cache: a second ``state_dict()`` with nothing run in
+    between reads nothing; a call, or new hyperparameters, read again."""
+    model = _Model()
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    tm = poptorch.trainingModel(model, quiet_options(), opt)
+    tm(*_data())
+    reads = lambda: len(_lines(records, "from IPU to host"))   # noqa: E731
+    first = opt.state_dict()
+    assert reads() == 1
+    second = opt.state_dict()
+    assert reads() == 1 and _lines(records, "Using cached optimiser state dict")
+    assert all(torch.equal(first["ipu_state"][k], v) for k, v in second["ipu_state"].items())
+    tm(*_data())
+    third = opt.state_dict()
+    assert reads() == 2
+    assert any(not torch.equal(first["ipu_state"][k], v) for k, v in third["ipu_state"].items())
+    opt.param_groups[0]["lr"] = 0.05
+    tm.setOptimizer(opt)
+    fourth = opt.state_dict()
+    assert reads() == 3 and any(not torch.equal(third["ipu_param"][k], v)
+                                for k, v in fourth["ipu_param"].items())

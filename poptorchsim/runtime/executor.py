@@ -199,6 +199,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
             self._opt_settings, _ = update_plan(self._optimizer, ga, config.running_mean,
                                                 config.auto_loss_scaling)
             self._log_optimizer(self._opt_settings)
+            self._device_state_changed()
             self._configure_update()
         self._observe.attach(compiled, self._engine)
         self._configure_batching()
@@ -451,6 +452,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
             raise
         if self._training:
             self._has_run = True
+            self._device_state_changed()
             if self._weights.apart:
                 self._weights.dirty = True      # copied back when the model is read
             else:

@@ -3,6 +3,8 @@ state, ``setOptimizer`` (PopTorch's checks of what may change once
 compiled), and configuring the engine's update and batching from the
 compiled update plan.  ``executor.py`` mixes ``_OptimizerHandling`` into
 ``PoplarExecutor``."""
+import logging
+
 import torch
 
 from .. import enums
@@ -85,7 +87,18 @@ class _OptimizerHandling:
         if self._options.connection_type == enums.ConnectionType.Never or self._weightless:
             return              # never on a device: no state to read (PopTorch's None)
         if optimizer is self._optimizer and self._compiled is not None and self._training:
+            if getattr(optimizer, "host_state_is_dirty", True) is False and \
+                    hasattr(optimizer, "has_state") and optimizer.has_state():
+                # nothing ran since the last read: PopTorch's cached state dict
+                logging.getLogger("poptorchsim").debug("Using cached optimiser state dict")
+                return
             self._keep_optimizer_state(optimizer)
+
+    def _device_state_changed(self):
+        """The device's optimizer state changed (a call, a compilation, new
+        hyperparameters): ``state_dict()`` reads it again."""
+        if self._training and hasattr(self._optimizer, "host_state_is_dirty"):
+            self._optimizer.host_state_is_dirty = True
 
     def _keep_optimizer_state(self, optimizer):
         """Device -> host: torch's state of ``optimizer``, and for a PopTorch
@@ -106,6 +119,7 @@ class _OptimizerHandling:
         if self._training and not self._weightless and \
                 getattr(self._optimizer, "ipu_state_is_dirty", False):
             self._weights.write_device_state(self._compiled, self._optimizer)
+            self._device_state_changed()
 
     def _log_optimizer(self, settings, old=None):
         """PopTorch's debug lines for the optimizer the device now holds,
@@ -158,6 +172,7 @@ class _OptimizerHandling:
         self._optimizer = optimizer
         self._log_optimizer(settings, self._opt_settings)
         self._opt_settings = settings
+        self._device_state_changed()
         if plan != c.plan:
             compiler.rebuild_update(c, self._user_model, optimizer, self._config)
             self._configure_update()
