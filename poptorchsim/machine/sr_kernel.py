@@ -31,7 +31,7 @@ import os
 import numpy as np
 import torch
 
-from .streams import POOL
+from .streams import POOL, mix32_int
 
 try:
     import numba
@@ -124,15 +124,6 @@ def _rows_parallel(bits, values, pool, starts, n, out):
             k += count
 
 
-def _mix32(x):
-    """``streams.mix32_int`` on an int64 holding a value in [0, 2**32)."""
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
-    return x ^ (x >> 16)
-
-
 def _starts(keys, stream, out):
     """``streams.Streams.window_start`` of result ``stream`` under each row
     of ``keys`` (int64, rows x 2, words in [0, 2**32))."""
@@ -149,7 +140,7 @@ if njit is not None:
     if "NUMBA_THREADING_LAYER" not in os.environ:
         # OpenMP or TBB: safe for rounding from several threads at once
         numba.config.THREADING_LAYER = "threadsafe"
-    _mix32_compiled = njit(cache=True, nogil=True)(_mix32)
+    _mix32_compiled = njit(cache=True, nogil=True)(mix32_int)     # the same hash, compiled
     _starts_compiled = njit(cache=True, nogil=True)(_starts)
     _segment_compiled = njit(cache=True, nogil=True, boundscheck=False)(_segment)
     _kernel = njit(cache=True, nogil=True, boundscheck=False)(_rows)

@@ -129,8 +129,7 @@ class _OptimizerHandling:
         c = self._compiled
         groups = [[] for _ in range(settings.groups)]
         for name, g in zip(c.capture.trainable_names, c.group_of):
-            if g < len(groups):
-                groups[g].append(name)
+            groups[g].append(name)
         optimizer_log.log(settings, groups)
 
     def _group_tensor_names(self):

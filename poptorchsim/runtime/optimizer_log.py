@@ -77,10 +77,9 @@ def lines(settings, group_params):
     (``optimizer_checks.Settings``); ``group_params``: each group's
     parameter names."""
     out = [f"Updating graph optimizer with {_line(settings, 'defaults', True)}"]
-    for g in range(settings.groups):
-        names = ", ".join(group_params[g]) if g < len(group_params) else ""
+    for g, names in enumerate(group_params):
         out.append(f"Updating group {g} optimizer with {_line(settings, g, False)} "
-                   f"for (tensors affected [{names}])")
+                   f"for (tensors affected [{', '.join(names)}])")
     return out
 
 
