@@ -14,7 +14,7 @@ from ..ir.graph import Tensor
 from . import host_device
 from .fp_checks import checked, make_check
 from .kernels import as_strided, kernel_for
-from .precision import host_kernel
+from .precision import HALF, host_kernel, takes_wide
 from .streams import loop_key, random_kernel
 
 _SIMPLE = (int, float, bool, str, type(None))
@@ -96,8 +96,13 @@ def run_cond(condition, then, orelse, then_reads, else_reads, taken):
     return orelse(else_reads)
 
 
+def _narrow(x):
+    """A wide value (fp16 values held in fp32) as fp16: exact."""
+    return x.to(torch.float16) if x.dtype == torch.float32 else x
+
+
 def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=None,
-                  in_place=True, streams=None):
+                  in_place=True, streams=None, traced_dtypes=None):
     """A Python function ``f(list_of_inputs) -> list_of_outputs`` for ``graph``.
 
     Its ``branches`` attribute maps each conditional op's name (in sub-graphs
@@ -113,7 +118,21 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
     and nothing the call was given is overwritten before the exception.
     ``streams`` (default: the graph's ``streams``): the executable's
     ``streams.Streams``; random ops it handles draw from it (keyed by the
-    micro-batch and the op), the others from PyTorch's generator."""
+    micro-batch and the op), the others from PyTorch's generator.
+    ``traced_dtypes`` (default: the graph's outputs do not overwrite its inputs,
+    i.e. it is not the optimizer update, traced dtype-blind): the graph was
+    traced with its run-time dtypes, and ops rounding stochastically read
+    which results are fp16 from the IR.
+
+    *Wide values* (stochastic rounding in such a graph, no floating-point
+    checks): an op computed in fp32 whose fp16 results round
+    stochastically returns them in fp32, the fp16 values exactly, and the
+    ops that compute in fp32 anyway, views and ops that only move values
+    (``precision.takes_wide``) take them as they are: no fp16 tensor is
+    made and widened again between them (in a GPT-2 step, 250 million
+    values a call).  Every other op, and the graph's outputs, get fp16
+    (``_narrow``).  The values are those of the fp16 program, bit for bit
+    (``tests/test_precision.py``)."""
     branches = {} if branches is None else branches
     if fp_checks is None:
         fp_checks = graph.floating_point_checks
@@ -124,6 +143,11 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
     names = {}
     traced = {}         # globals holding traced tensors and devices (``_place``)
     in_place = {} if fp_checks or not in_place else _in_place(graph)
+    if traced_dtypes is None:
+        traced_dtypes = not graph.outputs_overwrite_inputs
+    wide = traced_dtypes and rounding is not None and not fp_checks
+    maybe_wide = set()      # ids of the fp16 tensors that may be held in fp32
+    glb["_narrow"] = _narrow
 
     def name_of(t):
         if t.id not in names:
@@ -142,11 +166,14 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
         return key
 
     reads = set()
+    takes = [False]         # does the op being rendered take wide values?
 
     def render(x):
         if isinstance(x, Tensor):
             if x.role != "const":
                 reads.add(name_of(x))
+            if x.id in maybe_wide and not takes[0]:
+                return f"_narrow({name_of(x)})"
             return name_of(x)
         if isinstance(x, list):
             return "[" + ", ".join(render(y) for y in x) + "]"
@@ -164,6 +191,9 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
         reads = set()
         kernel, op_args = op.target, list(op.args)
         into = False
+        takes[0] = wide and takes_wide(op)
+        if takes[0]:
+            maybe_wide.update(t.id for t in op.outputs if t is not None and t.dtype == HALF)
         if k in in_place:
             kernel, pos = in_place[k]
             op_args[0], op_args[pos] = op_args[pos], op_args[0]
@@ -174,7 +204,8 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
         if op.subgraphs:           # a loop or a conditional: its sub-graphs compiled
             for name, sub in op.subgraphs.items():
                 glb[f"{fn}_{name}"] = compile_graph(sub, branches, rounding, watch,
-                                                     fp_checks, streams=streams)
+                                                     fp_checks, streams=streams,
+                                                     traced_dtypes=traced_dtypes)
             if op.cost_class == "loop":
                 glb[fn] = run_loop
                 glb[f"{fn}_streams"] = streams
@@ -189,15 +220,16 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
         elif op.cost_class == "random" and streams is not None and streams.handles(op):
             glb[fn] = random_kernel(op, streams)
         else:
-            glb[fn] = host_kernel(op, kernel_for(kernel, op_args, op.kwargs), rounding, into)
+            glb[fn] = host_kernel(op, kernel_for(kernel, op_args, op.kwargs), rounding, into,
+                                  traced_dtypes, takes[0])
             if watch is not None and op.watched:
                 glb[fn] = watch.wrap(op, glb[fn], kernel_for(op.target, list(op.args),
-                                                             op.kwargs), rounding)
+                                                             op.kwargs), rounding, takes[0])
         call = f"{fn}({', '.join(args)})"
         check = ""
         if fp_checks and checked(op):
             glb[f"{fn}_fp"] = make_check(op, graph.name)
-            operands = "".join(render(t) + ", " for t in op.input_tensors())
+            operands = "".join(name_of(t) + ", " for t in op.input_tensors())
             check = f"\n    {fn}_fp({{}}, ({operands}))"
         if op.cost_class == "view" and not op.inplace and not op.multi_output:
             # the same view of the same tensor twice (an RNN's weight
@@ -230,7 +262,8 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
         lines.append(line)
         if dead:
             lines.append("    del " + ", ".join(sorted(dead)))
-    lines.append("    return [" + ", ".join(name_of(t) for t in graph.outputs) + "]")
+    takes[0] = False        # the graph's outputs: fp16 as fp16
+    lines.append("    return [" + ", ".join(render(t) for t in graph.outputs) + "]")
     source = "\n".join(lines)
     device = host_device.current()
     if device.type != "cpu":

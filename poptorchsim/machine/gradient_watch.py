@@ -67,11 +67,13 @@ class GradientWatch:
         # op name -> [values, underflowed, overflowed, |fp32| summed, |fp32| of the lost]
         self.per_op = {}
 
-    def wrap(self, op, kernel, reference, rounding=None):
+    def wrap(self, op, kernel, reference, rounding=None, wide=False):
         """The host function of watched ``op``: ``reference`` (its plain
         kernel) on widened operands, rounded to fp16 (stochastically with
         ``rounding``), counted into this watch.  ``kernel``: what the engine
-        would run otherwise; an op with half partials keeps it."""
+        would run otherwise; an op with half partials keeps it.  ``wide``:
+        its results rounded stochastically are returned in fp32
+        (``precision.takes_wide``)."""
         dtypes = [t.dtype if t is not None else None for t in op.outputs]
         stochastic = rounding is not None and rounds_stochastically(op)
         exact = uses_half_partials(op) and half_partials_kernel(op.target) is not None
@@ -81,14 +83,15 @@ class GradientWatch:
                 return w
             if dtype != HALF:
                 return w.to(dtype)
-            return rounding.round(w, result_stream(op.id, j)) if stochastic else w.to(HALF)
+            return rounding.round(w, result_stream(op.id, j), wide) if stochastic \
+                else w.to(HALF)
 
         def counted(args, kwargs, out, wide):
             outs = [out] if isinstance(out, torch.Tensor) else list(out)
             wides = [wide] if isinstance(wide, torch.Tensor) else list(wide)
-            for o, w in zip(outs, wides):
+            for o, w, d in zip(outs, wides, dtypes):     # (an fp16 ``o`` may be in fp32)
                 o, w = _row_zero(o), _row_zero(w)
-                if isinstance(o, torch.Tensor) and o.dtype == HALF and isinstance(w, torch.Tensor):
+                if isinstance(o, torch.Tensor) and d == HALF and isinstance(w, torch.Tensor):
                     if exact:       # fp16 partial sums: not a rounding of ``wide``
                         self._count_values(op.name, o, w)
                     else:

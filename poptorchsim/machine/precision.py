@@ -23,7 +23,10 @@ kernel unchanged, so fp16 results equal PyTorch's CPU fp16 bit for bit.
   partials (the default) are PyTorch's CPU fp16 matmul: fp32 accumulation,
   one rounding at the end.
 """
+import math
+
 import torch
+from torch.utils import _pytree as pytree
 
 from .half_partials import (HALF_PARTIALS, PARTIALS_CHUNK, SLICE_CHUNKS,  # noqa: F401
                             half_partials_kernel, half_partials_mm, mark_partials,
@@ -82,17 +85,20 @@ def in_fp32(kernel, out_dtypes):
     return run
 
 
-def host_kernel(op, kernel, rounding=None, into=False):
+def host_kernel(op, kernel, rounding=None, into=False, traced=False, wide=False):
     """The host function the engine calls for ``op``: ``kernel``, or its
     half-partials form, or (with stochastic ``rounding``) ``kernel``
     computed in fp32 with its fp16 results rounded stochastically.
     ``into``: ``kernel`` is the out-of-place kernel of an op the engine
-    runs in place (its result is written into its first operand)."""
+    runs in place (its result is written into its first operand).
+    ``traced``: the op's graph was traced with its run-time dtypes (which
+    results are fp16 is read from the IR); ``wide``: its fp16 operands may
+    come in fp32 and its fp16 results go in fp32 (``takes_wide``)."""
     if uses_half_partials(op) and half_partials_kernel(op.target) is not None:
         return half_partials_kernel(op.target)
     dtypes = [t.dtype if t is not None else None for t in op.outputs]
     if rounding is not None and rounds_stochastically(op):
-        return with_stochastic_rounding(kernel, dtypes, rounding, into, op.id)
+        return with_stochastic_rounding(kernel, dtypes, rounding, into, op.id, traced, wide)
     if (op.target in SLOW_IN_HALF and HALF in dtypes) or op.target in INDEX_OF_HALF:
         return in_fp32(kernel, dtypes)
     return kernel
@@ -132,6 +138,42 @@ def rounds_stochastically(op):
     return (op.cost_class not in ("view", "host") and not op.inplace and not op.subgraphs
             and any(t is not None and t.dtype.is_floating_point for t in op.outputs)
             and not exact_in_half(op))
+
+
+# view ops whose result reads its operand's bytes as another dtype
+_RETYPING_VIEWS = {"view_as_real", "view_as_complex"}
+
+
+def takes_wide(op):
+    """Can ``op`` take its fp16 operands in fp32 (the fp16 values exactly:
+    *wide values*, ``codegen.py``), in a graph traced with its run-time
+    dtypes whose fp16 results round stochastically?  Ops computed in fp32
+    anyway with an fp16 result (rounded stochastically: ``host_kernel``'s
+    ``wide``), views, and ops that only move fp16 values (``exact_in_half``,
+    scalars fp16 holds: their results are then fp16 values in fp32).  The
+    others (random ops, half partials, loops, in-place writes, fp32
+    results, views that read bytes as another dtype) take fp16."""
+    if op.inplace or op.subgraphs or op.cost_class in ("random", "host", "custom"):
+        return False
+    if op.target in (aten.as_strided.default, aten.as_strided_.default):
+        return False
+    if op.cost_class == "view":
+        packet = getattr(op.target, "overloadpacket", None)
+        return getattr(packet, "__name__", "") not in _RETYPING_VIEWS and not any(
+            isinstance(a, torch.dtype) for a in pytree.tree_leaves((op.args, op.kwargs)))
+    if uses_half_partials(op) and half_partials_kernel(op.target) is not None:
+        return False
+    if rounds_stochastically(op):
+        return any(t is not None and t.dtype == HALF for t in op.outputs)
+    return exact_in_half(op) and _scalars_in_half(op)
+
+
+def _scalars_in_half(op):
+    """Are ``op``'s float arguments values fp16 holds (a threshold, a pad
+    value)?  An fp16 op reads a scalar as fp16; in fp32 another value would
+    compare or pad differently."""
+    floats = [a for a in pytree.tree_leaves((op.args, op.kwargs)) if isinstance(a, float)]
+    return all(math.isnan(a) or float(torch.tensor(a, dtype=HALF)) == a for a in floats)
 
 
 class LossScale:

@@ -39,7 +39,7 @@ class RandomBits:
         return Window(self._pool, self.offsets.randrange(POOL))
 
 
-def stochastic_round(x, bits):
+def stochastic_round(x, bits, wide=False):
     """``x`` (fp32) rounded stochastically to fp16: to ``lo`` or ``hi`` (the
     fp16 neighbours of x) with P(hi) = (x - lo) / (hi - lo).  Exact fp16
     values, infinities and NaNs are kept; values past fp16's largest finite
@@ -58,15 +58,22 @@ def stochastic_round(x, bits):
     embedding's gradient, mostly zeros; a sum with such a gradient) rounds
     only its rows (64 values in memory order) holding other values; the
     values it rounds read the same bits as in a full rounding, so the
-    result does not depend on the shortcut."""
+    result does not depend on the shortcut.
+
+    ``wide``: the fp16 values returned in fp32 (``.float()`` of the fp16
+    result, bit for bit; the compiled kernel writes them so at once), for
+    ops that compute in fp32 anyway (``codegen.py``'s wide values)."""
+    if wide and not (x.device.type == "cpu" and isinstance(bits, (Window, Windows))
+                     and _compiled()):
+        return stochastic_round(x, bits).float()
     if hasattr(bits, "window"):
         bits = bits.window(x.device)
     x = x.float().contiguous()
     if x.device.type == "cpu" and isinstance(bits, (Window, Windows)) and _compiled():
         # one compiled pass (sr_kernel.py): every value, the same bits, the same result
         if isinstance(bits, Windows):
-            return sr_kernel.round_rows(x, bits.pool, bits.first, bits.n)
-        return sr_kernel.round_rows(x, bits.pool, [bits.start], x.numel())
+            return sr_kernel.round_rows(x, bits.pool, bits.first, bits.n, wide)
+        return sr_kernel.round_rows(x, bits.pool, [bits.start], x.numel(), wide)
     if x.device.type != "cpu" and isinstance(bits, (Window, Windows)) and _on_gpu(x.device):
         # one Triton kernel (sr_triton.py): no launch per pass, no count read back
         if isinstance(bits, Windows):
@@ -160,11 +167,13 @@ class Rounding:
     def __init__(self, streams):
         self.streams = streams
 
-    def round(self, x, stream=0):
+    def round(self, x, stream=0, wide=False):
+        """``x`` rounded from result ``stream``'s window; ``wide``: the fp16
+        values returned in fp32 (``stochastic_round``)."""
         if self.streams.batched:        # a batched call: each row its own window
             return vmap_rules.apply(_RoundRows, x, self.streams.key, stream,
-                                    self.streams.pool(x.device))
-        return stochastic_round(x, self.streams.window(stream, x.device))
+                                    self.streams.pool(x.device), wide)
+        return stochastic_round(x, self.streams.window(stream, x.device), wide)
 
 
 class _RoundRows(torch.autograd.Function):
@@ -174,15 +183,16 @@ class _RoundRows(torch.autograd.Function):
     its own window (``Windows``): the values the serial order gives them."""
 
     @staticmethod
-    def forward(x, key, stream, pool):
-        return stochastic_round(x, Window(pool, Streams.window_start(key_ints(key), stream)))
+    def forward(x, key, stream, pool, wide=False):
+        return stochastic_round(x, Window(pool, Streams.window_start(key_ints(key), stream)),
+                                wide)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         pass
 
     @staticmethod
-    def vmap(info, in_dims, x, key, stream, pool):
+    def vmap(info, in_dims, x, key, stream, pool, wide=False):
         x_dim, key_dim = in_dims[0], in_dims[1]
         rows = info.batch_size
         x = x.movedim(x_dim, 0) if x_dim is not None else x.expand((rows,) + x.shape)
@@ -194,7 +204,7 @@ class _RoundRows(torch.autograd.Function):
             starts = [Streams.window_start((k0 & MASK32, k1 & MASK32), stream)
                       for k0, k1 in keys]
         n = x[0].numel()
-        return stochastic_round(x, Windows(pool, starts, n)), 0
+        return stochastic_round(x, Windows(pool, starts, n), wide), 0
 
 
 def result_stream(stream, j):
@@ -238,15 +248,21 @@ def _meta(x):
         if isinstance(x, torch.Tensor) else x
 
 
-def with_stochastic_rounding(kernel, out_dtypes, rounding, into=False, stream=0):
+def with_stochastic_rounding(kernel, out_dtypes, rounding, into=False, stream=0,
+                             traced=False, wide=False):
     """``kernel`` computed in fp32, its fp16 results rounded stochastically.
 
-    Which results are fp16 is read from the kernel itself (on meta tensors,
-    once per operand dtypes): graphs traced dtype-blind (the optimizer
-    update) meet fp16 weights only at run time.  ``out_dtypes`` (the traced
-    dtypes) serve where the kernel has no meta form.  ``into``: the op's
-    result is written into its first operand (the engine's in-place plan).
-    ``stream``: the op's id; result ``j`` reads stream ``result_stream(stream, j)``."""
+    Which results are fp16: with ``traced`` (a graph traced with its
+    run-time dtypes: the step), ``out_dtypes``, the traced dtypes, as
+    ``getIR()`` shows them (a layer norm's fp16 mean and inverse standard
+    deviation, as PopART's); otherwise read from the kernel itself (on meta
+    tensors, once per operand dtypes): graphs traced dtype-blind (the
+    optimizer update) meet fp16 weights only at run time; ``out_dtypes``
+    serve where the kernel has no meta form.  ``into``: the op's result is
+    written into its first operand (the engine's in-place plan).
+    ``stream``: the op's id; result ``j`` reads stream ``result_stream(stream, j)``.
+    ``wide``: fp16 operands may come in fp32 and fp16 results are returned
+    in fp32 (``codegen.py``'s wide values; needs ``traced``)."""
     seen = {}
 
     def dtypes(key, args, kwargs):
@@ -267,15 +283,15 @@ def with_stochastic_rounding(kernel, out_dtypes, rounding, into=False, stream=0)
         key = tuple(_dtypes_of(kwargs, _dtypes_of(args, [])))
         if HALF not in key and HALF not in out_dtypes:
             return exact(args, kwargs)
-        want = dtypes(key, args, kwargs)
+        want = out_dtypes if traced else dtypes(key, args, kwargs)
         if HALF not in want:
             return exact(args, kwargs)
-        wide = kernel(*_widen_all(args), **{k: _widen_all(v) for k, v in kwargs.items()})
-        if isinstance(wide, torch.Tensor):
-            result = rounding.round(wide, result_stream(stream, 0)) if want[0] == HALF \
-                else wide.to(want[0])
+        full = kernel(*_widen_all(args), **{k: _widen_all(v) for k, v in kwargs.items()})
+        if isinstance(full, torch.Tensor):
+            result = rounding.round(full, result_stream(stream, 0), wide) if want[0] == HALF \
+                else full.to(want[0])
             return args[0].copy_(result) if into else result
-        return type(wide)(rounding.round(r, result_stream(stream, j))
+        return type(full)(rounding.round(r, result_stream(stream, j), wide)
                           if d == HALF and isinstance(r, torch.Tensor) else r
-                          for j, (r, d) in enumerate(zip(wide, want)))
+                          for j, (r, d) in enumerate(zip(full, want)))
     return run

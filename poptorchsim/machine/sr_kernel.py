@@ -35,7 +35,9 @@ from .streams import POOL, mix32_int
 
 try:
     import numba
-    from numba import njit, prange
+    from llvmlite import ir as llvm_ir
+    from numba import njit, prange, types
+    from numba.extending import intrinsic
 except ImportError:             # the PyTorch form runs (rounding.py)
     njit = None
 
@@ -95,13 +97,38 @@ def _segment(bits, values, pool, first_bit, first, count, out):
         out[k] = np.int16(_I(_I(i >> _I(16)) & _I(0x8000)) | h)
 
 
+def _segment_wide(bits, values, pool, first_bit, first, count, out):
+    """``_segment`` with its fp16 results written in fp32 (int32 bits: the
+    fp16 value exactly, what ``.float()`` of ``_segment``'s result gives),
+    for ops whose consumers compute in fp32 anyway (``codegen.py``'s wide
+    values): the rounded magnitude's 13 low bits cleared, infinity from fp16's
+    overflow on (2**16 and up), a subnormal's fp16 bits times 2**-24."""
+    bits, values = bits[first:first + count], values[first:first + count]
+    pool, out = pool[first_bit:first_bit + count], out[first:first + count]
+    for k in range(count):
+        r = _I(pool[k])
+        i = bits[k]
+        m = _I(i & _I(0x7FFFFFFF))
+        w = min(_I(_I(m + r) & _I(-8192)), _I(0x7F800000))
+        w = _I(0x7F800000) if w >= _I(0x47800000) else w           # past 65504: infinity
+        t = _I(np.rint(abs(values[k]) * np.float32(137438953472.0)))
+        low = np.float32(_I(_I(t + r) >> _I(13))) * np.float32(2.0 ** -24)
+        w = _f32_bits(low) if m < _I(0x38800000) else w
+        w = _I(0x7FC00000) if m > _I(0x7F800000) else w            # NaN
+        out[k] = _I(i & _I(-2147483648)) | w
+
+
 def _rows(bits, values, pool, starts, n, out):
     for row in range(starts.size):
         done = 0
         while done < n:                 # a window wraps around the end of the pool
             first_bit = (starts[row] + done) % POOL
             count = min(n - done, POOL - first_bit)
-            _segment_compiled(bits, values, pool, first_bit, row * n + done, count, out)
+            if out.itemsize == 4:       # fp32 results (``wide``)
+                _segment_wide_compiled(bits, values, pool, first_bit, row * n + done, count,
+                                       out)
+            else:
+                _segment_compiled(bits, values, pool, first_bit, row * n + done, count, out)
             done += count
 
 
@@ -120,7 +147,10 @@ def _rows_parallel(bits, values, pool, starts, n, out):
             done = k - row * n
             first_bit = (starts[row] + done) % POOL
             count = min(end - k, n - done, POOL - first_bit)
-            _segment_compiled(bits, values, pool, first_bit, k, count, out)
+            if out.itemsize == 4:
+                _segment_wide_compiled(bits, values, pool, first_bit, k, count, out)
+            else:
+                _segment_compiled(bits, values, pool, first_bit, k, count, out)
             k += count
 
 
@@ -137,12 +167,20 @@ def _starts(keys, stream, out):
 
 
 if njit is not None:
+    @intrinsic
+    def _f32_bits(typingctx, value):
+        """An fp32 value's bits as an int32 (a bit cast, no instruction)."""
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], llvm_ir.IntType(32))
+        return types.int32(types.float32), codegen
+
     if "NUMBA_THREADING_LAYER" not in os.environ:
         # OpenMP or TBB: safe for rounding from several threads at once
         numba.config.THREADING_LAYER = "threadsafe"
     _mix32_compiled = njit(cache=True, nogil=True)(mix32_int)     # the same hash, compiled
     _starts_compiled = njit(cache=True, nogil=True)(_starts)
     _segment_compiled = njit(cache=True, nogil=True, boundscheck=False)(_segment)
+    _segment_wide_compiled = njit(cache=True, nogil=True, boundscheck=False)(_segment_wide)
     _kernel = njit(cache=True, nogil=True, boundscheck=False)(_rows)
     _kernel_parallel = njit(cache=True, nogil=True, boundscheck=False, parallel=True)(
         _rows_parallel)
@@ -161,12 +199,14 @@ def window_starts(keys, stream):
     return out.tolist()
 
 
-def round_rows(x, pool, starts, n):
+def round_rows(x, pool, starts, n, wide=False):
     """``x`` (fp32, CPU) rounded stochastically to fp16: value ``k`` of row
     ``i`` (rows of ``n`` values in memory order) reads bit ``k`` of the
-    window at ``starts[i]`` of ``pool`` (int16, ``POOL`` values)."""
+    window at ``starts[i]`` of ``pool`` (int16, ``POOL`` values).  ``wide``:
+    the fp16 values returned in fp32 (``_segment_wide``)."""
     flat = x.float().contiguous().view(-1)
-    out = torch.empty(flat.numel(), dtype=torch.int16)
+    out = torch.empty(flat.numel(), dtype=torch.int32 if wide else torch.int16)
+    result = torch.float32 if wide else torch.float16
     values = flat.numpy()
     args = (values.view(np.int32), values, pool.numpy(), np.asarray(starts, dtype=np.int64),
             int(n), out.numpy())
@@ -175,8 +215,8 @@ def round_rows(x, pool, starts, n):
     if _use_threads(flat.numel()):
         try:
             _kernel_parallel(*args)
-            return out.view(torch.float16).view(x.shape)
+            return out.view(result).view(x.shape)
         except ValueError:          # no thread-safe threading layer here: one thread
             _threaded["failed"] = True
     _kernel(*args)
-    return out.view(torch.float16).view(x.shape)
+    return out.view(result).view(x.shape)
