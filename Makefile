@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench gpu-check tutorials clean
+.PHONY: run test lint bench gpu-check tutorials clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,12 @@ run: $(STAMP)
 # slowest 25 tests are listed at the end (the suite must stay under 12 minutes); workers
 # steal queued tests from each other, so that a long test late in one queue does not
 # leave the other worker idle
-test: $(STAMP)
+test: $(STAMP) lint
 	$(BIN)/python -m pytest -q --durations=25 $$($(BIN)/python -c "import xdist" 2>/dev/null && echo "-n 2 --dist worksteal")
+
+# ruff, configured in pyproject.toml ([tool.ruff]); `make test` runs it first
+lint: $(STAMP)
+	$(BIN)/python -m ruff check poptorchsim benchmarks tests tools examples
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/mnist_training.py

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import model_zoo  # noqa: E402  (the model table and its batch/image settings)
+import model_zoo  # noqa: E402 - after the sys.path insert above; the model table and its batch/image settings
 
 QUICK = ["resnet18", "resnet50", "mobilenet_v3_small", "transformer_encoder", "gpt_block"]
 

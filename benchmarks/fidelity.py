@@ -124,7 +124,7 @@ def _quiet(opts):
     return opts.showCompilationProgressBar(False)
 
 
-def data_loading_cnn():  # noqa: D103 - synthetic data: no host loading
+def data_loading_cnn():  # synthetic data: no host loading
     batch, di = 16, 50
     model = DataLoadingCNN()
     opts = _quiet(poptorch.Options().deviceIterations(di).enableSyntheticData(True))
@@ -581,7 +581,7 @@ KNOWN_GAPS = {
 def remote_order_matches(rows):
     """The five remote-variables cases rank by throughput as published."""
     seed = [r for r in rows if r["config"].startswith("seed remote variables")]
-    by = lambda key: [r["config"] for r in sorted(seed, key=lambda r: r[key])]  # noqa: E731
+    by = lambda key: [r["config"] for r in sorted(seed, key=lambda r: r[key])]  # noqa: E731 - a one-line helper
     return by("estimated") == by("published")
 
 

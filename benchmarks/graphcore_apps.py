@@ -146,12 +146,14 @@ def vit_pretrain(out, rc, steps):
         if f"Step: {steps - 1}/" in line:
             loss = float(re.findall(r"loss:\s+([\d\.]+)", line)[0])
             acc = float(re.findall(r"accuracy:\s+([\d\.]+)", line)[0])
-            return rc == 0 and acc < 1 and loss < 15, f"step {steps - 1}: loss {loss:.3f}, accuracy {acc:.3f}"
+            return (rc == 0 and acc < 1 and loss < 15,
+                    f"step {steps - 1}: loss {loss:.3f}, accuracy {acc:.3f}")
     return False, f"no 'Step: {steps - 1}/' line"
 
 
 def bert_tiny(out, rc, steps):
-    """bert tests/bert_tiny_test.py: loss falls, mlm_acc rises, mean mlm_acc of the last 10 > 0.85."""
+    """bert tests/bert_tiny_test.py: loss falls, mlm_acc rises, mean mlm_acc of the last
+    10 > 0.85."""
     # per line, the last match, as the test's greedy re.match(r".*(loss: ([\d.]+)).*") takes
     losses = [float(m.group(2)) for m in map(re.compile(r".*(loss: ([\d.]+)).*").match,
                                                out.split("\n")) if m]
@@ -205,11 +207,12 @@ APPS = [
     pytest_app("gpt2-cpu-ipu", "nlp/gpt2/pytorch/tests", "cpu_ipu_test.py", 1),
     pytest_app("gpt2-loss-serialize", "nlp/gpt2/pytorch/tests", "loss_seralize_test.py", 1),
     pytest_app("clip-cpu-ipu", "multimodal/CLIP/pytorch/tests", "cpu_ipu_test.py", 1, timeout=1500),
-    pytest_app("conformer-forward-grad", "speech/conformer/pytorch", "tests/test_forward_grad.py", 3),
+    pytest_app("conformer-forward-grad", "speech/conformer/pytorch",
+               "tests/test_forward_grad.py", 3),
     App("conformer-train", "speech/conformer/pytorch",
-        ["main.py", "train", "--train_dataset.use_generated_data", "true", "--trainer.num_epochs", "1",
-         "--ipu_options.gradient_accumulation", "1", "--train_iterator.batch_size", "1",
-         "--train_iterator.num_workers", "1"],
+        ["main.py", "train", "--train_dataset.use_generated_data", "true",
+         "--trainer.num_epochs", "1", "--ipu_options.gradient_accumulation", "1",
+         "--train_iterator.batch_size", "1", "--train_iterator.num_workers", "1"],
         steps_seen(CONFORMER_STEP), default_steps=2, stop_after=CONFORMER_STEP,
         known="its encoder and decoder layers call the RemapCE custom op, loaded from "
               "./custom_ops.so, a C++ PopART op built against Poplar's headers"),
@@ -221,8 +224,9 @@ APPS = [
          "--num-dataloader-workers", "2", "--generated-data"],
         steps_seen(FASTPITCH_STEP), default_steps=3, stop_after=FASTPITCH_STEP, timeout=1200),
     App("cnns-train-resnet18", "vision/cnns/pytorch",
-        ["train/train.py", "--data", "synthetic", "--model", "resnet18", "--epoch", "1", "--precision",
-         "16.16", "--validation-mode", "none", "--optimizer", "sgd_combined", "--lr", "0.001",
+        ["train/train.py", "--data", "synthetic", "--model", "resnet18", "--epoch", "1",
+         "--precision", "16.16", "--validation-mode", "none", "--optimizer", "sgd_combined",
+         "--lr", "0.001",
          "--gradient-accumulation", "64", "--micro-batch-size", "1", "--dataloader-worker", "4",
          "--seed", "0"],
         steps_seen(TQDM_STEP), default_steps=2, stop_after=TQDM_STEP,
@@ -295,7 +299,8 @@ def run(app, cwd, cmd, env, steps, timeout):
 
 
 def last_error(out):
-    lines = [l for l in out.splitlines() if re.match(r"^(\w+\.)*\w*(Error|Exception)\b", l)]
+    lines = [line for line in out.splitlines()
+             if re.match(r"^(\w+\.)*\w*(Error|Exception)\b", line)]
     return lines[-1][:160] if lines else ""
 
 
@@ -348,7 +353,7 @@ def main(argv=None):
                 (Path(args.log_dir) / f"{app.name}.log").write_text(out)
             try:
                 ok, note = app.check(out, rc, steps)
-            except Exception as e:       # an unparsable output is a failure, said so
+            except Exception as e:  # noqa: BLE001 - an unparsable output is a failure, said so
                 ok, note = False, f"could not parse the output ({e})"
             if not ok:
                 error = last_error(out)

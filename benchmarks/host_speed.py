@@ -39,7 +39,7 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import poptorchsim as poptorch  # noqa: E402
+import poptorchsim as poptorch  # noqa: E402 - after the sys.path insert above
 
 LOSS_SCALE = 128.0
 
@@ -153,7 +153,8 @@ def precision_section(models, rows):
     for name, spec in models.items():
         e32, e16 = eager(spec, torch.float), eager(spec, torch.half)
         for ga in (1, 4):
-            s32, s16 = simulated(spec, torch.float, ga, steps=16), simulated(spec, torch.half, ga, steps=16)
+            s32 = simulated(spec, torch.float, ga, steps=16)
+            s16 = simulated(spec, torch.half, ga, steps=16)
             row = {"model": name, "ga": ga, "sim_fp32_ms": s32, "sim_fp16_ms": s16,
                    "eager_fp32_ms": e32, "eager_fp16_ms": e16}
             rows.append(row)
@@ -213,7 +214,7 @@ def bert_section(rows, reps=5):
     fp16 (half partials, stochastic rounding, dropout) batched and serial,
     in fp32, and eager fp32 PyTorch of the same model and batches."""
     try:
-        import transformers  # noqa: F401
+        import transformers  # noqa: F401 - is it installed?
     except ImportError:
         print("\nBERT demo_tiny_128: skipped (transformers is not installed)")
         return

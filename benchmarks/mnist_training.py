@@ -26,7 +26,7 @@ import poptorchsim as poptorch
 
 # The network and its loss wrapper are the MNIST example's.
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "mnist"))
-from train import Network, TrainingModelWithLoss  # noqa: E402
+from train import Network, TrainingModelWithLoss
 
 BATCH = 8
 DEVICE_ITERATIONS = 50

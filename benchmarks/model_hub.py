@@ -95,7 +95,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -104,8 +103,8 @@ from poptorchsim.machine import host_device
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-import test_model_zoo as zoo  # noqa: E402  (WithLoss, images, _float64; needs pytest)
-from conftest import quiet_options, reference_call, to_layout  # noqa: E402
+import test_model_zoo as zoo  # noqa: E402 - after the sys.path insert above; WithLoss, images, _float64; needs pytest
+from conftest import quiet_options, reference_call, to_layout  # noqa: E402 - after the sys.path insert above
 
 TOL = 1e-4                    # fp32: largest weight / output difference for "match"
 FP64_FACTOR = 2.0             # arbitration: sim no further from fp64 than 2x eager fp32
@@ -635,7 +634,7 @@ def eager_training(model, make_opt, batches, ga=1, rf=1):
         with torch.no_grad():
             for b, saved in zip(buffers, replicas[0]):
                 b.copy_(saved)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise EagerFailed(f"{type(exc).__name__}: {_head(exc)}") from exc
     return times
 
@@ -663,7 +662,7 @@ def sim_training(model, opts, optimizer, batches, row=None):
     finally:
         try:
             tm.destroy()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - cleanup after a measurement
             pass
     return compile_s, times
 
@@ -728,7 +727,7 @@ def run_infer(spec, row):
                 t0 = time.perf_counter()
                 expected = eager_model(*eager_batch)
                 eager_times.append(time.perf_counter() - t0)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise EagerFailed(f"{type(exc).__name__}: {_head(exc)}") from exc
     im = poptorchsim.inferenceModel(copy.deepcopy(model), options())
     t0 = time.perf_counter()
@@ -896,7 +895,7 @@ def eager_fp16(model, data, scale):
                     p.grad.div_(scale)
             opt.step()
             times.append(time.perf_counter() - t0)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise EagerFailed(f"{type(exc).__name__}: {_head(exc)}") from exc
     return times
 
@@ -999,7 +998,7 @@ def run_row(spec, mode, timeout=None):
     except poptorchsim.Error as exc:
         row.verdict = f"refused: {type(exc).__name__}: {_head(exc)}"
         row.detail = traceback.format_exc()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - any crash is a row of the table
         row.verdict = f"CRASH: {type(exc).__name__}: {_head(exc)}"
         row.detail = traceback.format_exc()
     finally:
@@ -1054,7 +1053,7 @@ def compact(rows, ratios):
         by_model.setdefault((r.model, r.family), {})[r.mode] = r
     lines = ["| model | " + " | ".join(modes) + " | sim/eager per step |",
              "|---|" + "---:|" * len(modes) + "---:|"]
-    for (model, family), cells in by_model.items():
+    for (model, _family), cells in by_model.items():
         ratio = ratios.get(model)
         lines.append(f"| {model} | " + " | ".join(_cell(_short(cells[m])) if m in cells else ""
                                                    for m in modes)

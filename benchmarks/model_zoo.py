@@ -43,8 +43,8 @@ import poptorchsim
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-import test_model_zoo as zoo  # noqa: E402  (the model table; needs pytest)
-from conftest import quiet_options  # noqa: E402
+import test_model_zoo as zoo  # noqa: E402 - after the sys.path insert above; the model table; needs pytest
+from conftest import quiet_options  # noqa: E402 - after the sys.path insert above
 
 BATCH = 2
 IMAGE = 64
@@ -279,7 +279,7 @@ def main(argv=None):
     for name in tqdm(names, desc="models", leave=False):
         try:
             rows.append(measure(name, args.steps, args.warmup))
-        except BaseException as exc:  # noqa: BLE001 - pytest.skip's is a BaseException
+        except BaseException as exc:  # pytest.skip's is a BaseException
             if isinstance(exc, KeyboardInterrupt):
                 raise
             msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

@@ -24,10 +24,10 @@ import torch.nn.functional as F  # noqa: F401 - fidelity's modules use it
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import fidelity  # noqa: E402
+import fidelity  # noqa: E402 - after the sys.path insert above
 
-import poptorchsim as poptorch  # noqa: E402
-from poptorchsim.runtime.planner import Configuration, Planner  # noqa: E402
+import poptorchsim as poptorch  # noqa: E402 - after the sys.path insert above
+from poptorchsim.runtime.planner import Configuration, Planner  # noqa: E402 - after the sys.path insert above
 
 
 def _options(**precision):
@@ -49,7 +49,7 @@ def resnet50():
     optimizer = poptorch.optim.SGD(model.parameters(), lr=2.0, momentum=0.9, loss_scaling=128,
                                    velocity_scaling=128, use_combined_accum=True)
     inputs = (torch.zeros(1, 3, 224, 224, dtype=torch.uint8), torch.zeros(1, dtype=torch.long))
-    graphcore = lambda units: Configuration(18, (0,) * len(units), 16, 57, 0.16, "on chip",  # noqa: E731
+    graphcore = lambda units: Configuration(18, (0,) * len(units), 16, 57, 0.16, "on chip",  # noqa: E731 - a one-line helper
                                             "half", "all")
     search = dict(micro_batches=(8, 16, 18, 24, 32), ipus_per_replica=(1, 2),
                   amps=(0.6, 0.3, 0.16), optimizer_states=("on chip",), partials=("half",),
@@ -96,7 +96,7 @@ def bert_base():
     """nlp/bert phase 1 SL128 Bow Pod16: [0, 4, 4, 4], micro-batch 32,
     4 replicas, accumulation 512, AMP 0.25, LAMB state off chip, sharded."""
     model, optimizer, inputs = _bert(fidelity.BERT_BASE, 1)
-    graphcore = lambda units: Configuration(  # noqa: E731
+    graphcore = lambda units: Configuration(  # noqa: E731 - a one-line helper
         32, _bert_split(units, [0, 4, 4, 4]), 4, 512, 0.25, "sharded", "half")
     search = dict(micro_batches=(8, 16, 32), ipus_per_replica=(2, 4),
                   amps=(0.6, 0.4, 0.25, 0.15), optimizer_states=("on chip", "sharded"),
@@ -109,7 +109,7 @@ def bert_large():
     4 replicas, accumulation ceil(2048 / 1.17), AMP [0.15, 0.25, 0.25, 0.25]."""
     model, optimizer, inputs = _bert(fidelity.BERT_LARGE, 2)
     ga = math.ceil(2048 / fidelity.PACKING_FACTOR_128)
-    graphcore = lambda units: Configuration(  # noqa: E731
+    graphcore = lambda units: Configuration(  # noqa: E731 - a one-line helper
         8, _bert_split(units, [3, 7, 7, 7]), 4, ga, (0.15, 0.25, 0.25, 0.25), "sharded", "half")
     search = dict(micro_batches=(4, 8), ipus_per_replica=(4,), amps=(0.4, 0.25, 0.15),
                   optimizer_states=("sharded",), partials=("half",), global_batch=8 * 4 * ga)

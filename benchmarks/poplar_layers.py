@@ -25,7 +25,7 @@ from dataclasses import asdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from poptorchsim import validation  # noqa: E402
+from poptorchsim import validation
 
 
 def main():

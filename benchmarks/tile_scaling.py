@@ -17,7 +17,7 @@ import torch
 import poptorchsim as poptorch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "mnist"))
-from train import Network, TrainingModelWithLoss  # noqa: E402
+from train import Network, TrainingModelWithLoss
 
 
 def compile_seconds(version):

@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from . import _impl, enums, optim, profiling  # noqa: F401 - poptorch._impl, .profiling
+from . import _impl, enums, optim, profiling  # poptorch._impl, .profiling
 from .annotations import (BeginBlock, Block, BlockFunction, BlockId, LegacyBeginBlockFn,
                           ParallelPhasedExecution, Phase, SerialPhasedExecution,
                           PipelinedExecution, ShardedExecution, Stage,
@@ -20,7 +20,7 @@ from ._api.arg_parsers import ICustomArgParser, registerCustomArgParser
 from ._api.control_flow import cond, for_loop
 from ._api.ctc import ctc_beam_search_decoder
 from .data import AsynchronousDataAccessor, DataLoader
-from .enums import *  # noqa: F401,F403 - PopTorch re-exports its enums
+from .enums import *  # PopTorch re-exports its enums
 from .errors import (BatchDimensionError, DataDependentError, DtypeError, Error,
                      InputError, InputMismatchError, LossError, ModelWrappedError,
                      NoWeightsError, OutOfMemoryError, RecoverableError, UnrecoverableError,
@@ -31,14 +31,14 @@ from ._api.graph_ops import (Attribute, CustomOp, MultiConv, NameScope, custom_o
                         dynamic_slice, dynamic_update, nop, register_custom_op,
                         serializedMatMul)
 from .options import ConfigFileError, Options, TensorLocationSettings
-from ._api import op_library as _op_library  # noqa: F401 - defines torch.ops.poptorch
-from ._api.printing import module_repr, print  # noqa: A004 - PopTorch's poptorch.print
+from ._api import op_library as _op_library  # defines torch.ops.poptorch
+from ._api.printing import module_repr, print  # PopTorch's poptorch.print
 from ._api.overlap import set_overlap_for_input, set_overlap_for_output
 from .runtime.executor import PoplarExecutor
-from .machine.host_device import choose as setHostDevice  # noqa: F401 - docs/host_device.md
-from .machine.host_device import current as hostDevice  # noqa: F401
+from .machine.host_device import choose as setHostDevice  # docs/host_device.md
+from .machine.host_device import current as hostDevice
 
-from .version import __version__  # noqa: F401 - re-exported
+from .version import __version__  # re-exported
 logger = logging.getLogger("poptorchsim")
 
 WRAPPED_ERR = ("Model has already been wrapped in 'poptorch.trainingModel'. Call "
@@ -64,8 +64,8 @@ def _check_no_sparse_gradients(model):
                 f"{type(module).__name__} {name or '(the model)'} has sparse=True: its "
                 "gradient would be a sparse tensor, which the IPU does not support "
                 "(PopTorch trains embeddings with dense gradients). Build it with "
-                "sparse=False (or set its .sparse = False before wrapping): SGD then makes the same "
-                "update, and Adam-type optimizers, which refuse sparse gradients, work.")
+                "sparse=False (or set its .sparse = False before wrapping): SGD then makes the "
+                "same update, and Adam-type optimizers, which refuse sparse gradients, work.")
 
 
 def trainingModel(model, options=None, optimizer=None):

@@ -419,4 +419,4 @@ def _load_file(options, filepath):
         raise ConfigFileError(
             f"{type(err).__name__} at line {err.lineno} of {filename}: {detail}\n"
             f"> {line}") from None
-    exec(compiled, {}, {"poptorch": poptorchsim, "options": options})  # noqa: S102
+    exec(compiled, {}, {"poptorch": poptorchsim, "options": options})  # noqa: S102 - the user's own file

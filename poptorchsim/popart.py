@@ -188,7 +188,7 @@ for _name in _GRAPH_API:
 def getLogger(name="all"):
     """PopART's C++ logger: not simulated (poptorchsim logs to the Python
     logger "poptorchsim")."""
-    return Logger(name)
+    return globals()["Logger"](name)      # one of _GRAPH_API's, made above
 
 
 def __getattr__(name):

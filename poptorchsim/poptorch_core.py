@@ -15,7 +15,7 @@ import enum
 import sys
 
 from .errors import Error, RecoverableError, UnrecoverableError
-from .ops import ipuHardwareVersion  # noqa: F401 - poptorch_core.ipuHardwareVersion
+from .ops import ipuHardwareVersion  # poptorch_core.ipuHardwareVersion
 
 __all__ = ["Error", "RecoverableError", "UnrecoverableError", "TestErrorType",
            "isCompilingWithDispatcher", "ipuHardwareVersion"]

@@ -114,7 +114,7 @@ def _float64(module, tensors):
         m = copy.deepcopy(module).double()
         m.weights = None if module.weights is None else [w.double() for w in module.weights]
         return m, [t.double() if t.is_floating_point() else t for t in tensors]
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - no float64 form: no reference
         return None, None
 
 

@@ -102,7 +102,7 @@ def test_backward_of_a_block_returns_to_the_previous_block(how):
         second = BeginBlock(nn.Linear(3, 3), "B", ipu_id=1)
     elif how == "BeginBlock kwargs":
         layer = BeginBlock(KeywordOnly(), "B", ipu_id=1)
-        second = lambda t: layer(x=t)              # noqa: E731
+        second = lambda t: layer(x=t)              # noqa: E731 - a one-line helper
     elif how == "function":
         second = BeginBlock(torch.sin, "B", ipu_id=1)
     else:

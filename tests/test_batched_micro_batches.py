@@ -139,7 +139,7 @@ def test_fp16_with_dropout_and_stochastic_rounding_batches_bit_for_bit():
     number is keyed by micro-batch and op, not drawn in order).  The call
     the gradient watch counts batches too (the watch counts its first row),
     with the serial order's numbers."""
-    sr = lambda o: o.Precision.enableStochasticRounding(True)     # noqa: E731
+    sr = lambda o: o.Precision.enableStochasticRounding(True)     # noqa: E731 - a one-line helper
     serial, serial_outs, serial_weights, _ = _train(False, nn.Dropout(0.3), configure=sr,
                                                     dtype=torch.float16)
     tm, outs, weights, calls = _train(True, nn.Dropout(0.3), configure=sr, dtype=torch.float16)
@@ -174,7 +174,7 @@ def test_half_partials_batch_bit_for_bit():
 
 
 def test_random_streams_repeat_from_the_seed_and_differ_between_seeds():
-    seeded = lambda s: (lambda o: o.randomSeed(s))     # noqa: E731
+    seeded = lambda s: (lambda o: o.randomSeed(s))     # noqa: E731 - a one-line helper
     a = _train(True, nn.Dropout(0.5), configure=seeded(3))[2]
     b = _train(True, nn.Dropout(0.5), configure=seeded(3))[2]
     c = _train(True, nn.Dropout(0.5), configure=seeded(4))[2]

@@ -443,7 +443,8 @@ def test_none_for_a_compiled_tensor_input_is_a_type_mismatch():
 
     model = poptorchsim.inferenceModel(Net(), quiet_options())
     model(torch.ones(2), z=torch.ones(2))
-    with pytest.raises(poptorchsim.Error, match="Type mismatch for z: expected .*Tensor.* but got .*None"):
+    with pytest.raises(poptorchsim.Error,
+                       match="Type mismatch for z: expected .*Tensor.* but got .*None"):
         model(torch.ones(2))
 
 

@@ -205,7 +205,7 @@ def test_cond_estimate_pays_the_branches_the_device_took():
             self.big = nn.Linear(64, 64)
 
         def forward(self, x, flag):
-            heavy = lambda h: [self.big(self.big(self.big(h)))]    # noqa: E731
+            heavy = lambda h: [self.big(self.big(self.big(h)))]    # noqa: E731 - a one-line helper
             return poptorchsim.cond(flag.sum() > 0, heavy, [x], lambda h: [h + 1], [x])[0]
 
     sim = poptorchsim.inferenceModel(Uneven(), quiet_options().deviceIterations(2))

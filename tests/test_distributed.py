@@ -23,7 +23,7 @@ from poptorchsim.run import parse
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "dist_scripts" / "train_small.py"
 sys.path.insert(0, str(SCRIPT.parent))
-import train_small  # noqa: E402
+import train_small  # noqa: E402 - after the sys.path insert above
 
 LOST = ("Replica process 1 of 2 stopped responding during the gradient all-reduce (gloo: ")
 

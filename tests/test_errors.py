@@ -578,7 +578,7 @@ def test_set_unknown_option():
 
 def test_reading_unset_option():
     with pytest.raises(AttributeError, match=re.escape("Invalid attribute random_seed.")):
-        quiet_options().random_seed  # noqa: B018
+        quiet_options().random_seed  # noqa: B018 - the attribute's access raises
 
 
 def test_reduction_type_no_reduction():

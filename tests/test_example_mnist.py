@@ -1,6 +1,5 @@
 """The MNIST example, trained on real digits, scored on the real MNIST test set."""
 import importlib.util
-import os
 import pathlib
 
 import pytest

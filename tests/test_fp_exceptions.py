@@ -270,7 +270,7 @@ def test_healthy_model_trains_identically_to_pytorch():
     reference = copy.deepcopy(model)
     tm, _ = _training(model)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    for step in range(4):
+    for _ in range(4):
         x, t = torch.randn(2, 4), torch.randint(0, 3, (2,))
         _, loss = tm(x, t)
         ref_opt.zero_grad()

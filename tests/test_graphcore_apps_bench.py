@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import graphcore_apps as apps  # noqa: E402
+import graphcore_apps as apps  # noqa: E402 - after the sys.path insert above
 
 
 def test_no_checkout_is_skipped_with_a_message(tmp_path):
@@ -26,9 +26,10 @@ def test_criteria_read_as_the_applications_tests_read_them():
     assert not apps.bert_tiny(bert.replace("mlm_acc: 0.9", "mlm_acc: 0.1"), 0, 360)[0]
     line = ("Step: 2 / 9 - LR: 1.00e-03 - total loss: 10.609 - mlm_loss: 9.909 - nsp_loss: 0.699"
             " - mlm_acc: 0.066 % - nsp_acc: 0.562 %:  throughput: 13.8 samples/sec\n")
-    assert apps.bert_tiny(line * 2, 0, 2)[1].startswith("loss 0.70 -> 0.70")   # as the test reads it
-    assert apps.max_throughput("throughput: 9.0 samples/sec (mean) (min: 2.0523179482405527, max: 16.147431768165006, std: 5.3)",
-                               0, 10)[0]
+    # as the test reads it
+    assert apps.bert_tiny(line * 2, 0, 2)[1].startswith("loss 0.70 -> 0.70")
+    assert apps.max_throughput("throughput: 9.0 samples/sec (mean) (min: 2.0523179482405527, "
+                               "max: 16.147431768165006, std: 5.3)", 0, 10)[0]
     vit = "Epoch: 0.00/1 Step: 1/2 Lr: 0.0 loss: 6.500 accuracy: 0.000 %throughput: 0.16"
     assert apps.vit_pretrain(vit, 0, 2) == (True, "step 1: loss 6.500, accuracy 0.000")
     assert not apps.vit_pretrain(vit, 0, 5)[0]

@@ -16,7 +16,8 @@ import pytest
 import poptorchsim
 
 PACKAGE = pathlib.Path(poptorchsim.__file__).parent
-BELOW_FACE = ("capture", "ir", "passes", "machine", "estimate", "runtime", "profiling", "distributed")
+BELOW_FACE = ("capture", "ir", "passes", "machine", "estimate", "runtime", "profiling",
+              "distributed")
 SHARED = {"errors", "enums", "version"}
 
 

@@ -126,9 +126,11 @@ def test_lower_available_memory_uses_less_temporary_memory_and_more_supersteps()
         im.compile(torch.randn(256, 4096))
         return im
     generous, tight = build(0.6), build(0.01)
-    op = lambda im: next(o for o in im.simulationReport()["ops"] if o["class"] == "matmul")
+    def op(im):
+        return next(o for o in im.simulationReport()["ops"] if o["class"] == "matmul")
     assert op(tight)["sync"] > op(generous)["sync"]
-    assert tight.memoryReport().not_always_live.max() < generous.memoryReport().not_always_live.max()
+    tight_live = tight.memoryReport().not_always_live.max()
+    assert tight_live < generous.memoryReport().not_always_live.max()
 
 
 def test_options_available_memory_proportion_applies_to_ipu0():
@@ -183,7 +185,7 @@ def test_estimate_does_not_depend_on_running():
 def test_as_strided_reads_the_traced_layout_when_the_real_one_differs():
     """A real kernel may lay a tensor out otherwise than the trace's meta
     kernel did; as_strided then reads the elements the trace meant."""
-    from poptorchsim.machine.kernels import as_strided as _as_strided  # noqa: N813
+    from poptorchsim.machine.kernels import as_strided as _as_strided
     logical = torch.arange(12.0).reshape(3, 4)
     traced = ((3, 4), (4, 1), 0)                     # contiguous in the trace
     real = logical.t().contiguous().t()              # same values, column-major

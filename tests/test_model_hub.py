@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-import model_hub as hub  # noqa: E402
+import model_hub as hub
 
 # about 35 s on one thread of the 2-core machine
 FAST = [("gpt2", "sgd"), ("gpt2", "adamw"), ("gpt2", "pipelined"), ("gpt2", "fp16"),

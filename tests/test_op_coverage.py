@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("expecttest")      # torch.testing._internal needs it
 
-import op_sweep  # noqa: E402
+import op_sweep
 
 COMPLEX = "complex tensors: the IPU has no complex number types"
 DYNAMIC = "PyTorch gives its output a data-dependent shape (or reads values)"
@@ -75,10 +75,10 @@ def test_operator_matches_eager(name):
 
 
 # -- cost classes --------------------------------------------------------------------------
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch  # noqa: E402 - after the sys.path insert above
+from torch import nn  # noqa: E402 - after the sys.path insert above
 
-import poptorchsim  # noqa: E402
+import poptorchsim  # noqa: E402 - after the sys.path insert above
 
 
 class Apply(nn.Module):

@@ -120,14 +120,14 @@ def test_lamb_trains_the_poptorch_test_model():
         x, label = torch.randn(1, 10), torch.randint(0, 10, [1])
 
         class WithLoss(torch.nn.Module):
-            def __init__(self):
+            def __init__(self, base):
                 super().__init__()
-                self.base = model
+                self.base = base
 
             def forward(self, x, t):
                 out = self.base(x)
                 return out, torch.nn.functional.cross_entropy(out, t)
-        tm = poptorchsim.trainingModel(WithLoss(), quiet_options().deviceIterations(100),
+        tm = poptorchsim.trainingModel(WithLoss(model), quiet_options().deviceIterations(100),
                                        optim.LAMB(model.parameters(), lr=0.01,
                                                   max_weight_norm=max_weight_norm))
         first = tm(x.repeat(100, 1), label.repeat(100))[1]
@@ -194,7 +194,7 @@ def _fp16_step(make):
 
 def test_fp16_gradients_underflow_without_loss_scaling_as_on_the_ipu():
     for kw in ({}, {"loss_scaling": 1.0}):
-        before, after = _fp16_step(lambda p: optim.SGD(p, lr=1e6, **kw))
+        before, after = _fp16_step(lambda p, kw=kw: optim.SGD(p, lr=1e6, **kw))
         assert torch.equal(before.fc.weight, after.fc.weight)   # all gradients flushed to 0
     before, after = _fp16_step(lambda p: optim.SGD(p, lr=1e6, loss_scaling=2.0 ** 15))
     moved = (after.fc.weight.float() - before.fc.weight.float()).abs()

@@ -106,7 +106,7 @@ def test_the_state_dict_is_read_again_only_after_the_device_changed_it(records):
     opt = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     tm = poptorch.trainingModel(model, quiet_options(), opt)
     tm(*_data())
-    reads = lambda: len(_lines(records, "from IPU to host"))   # noqa: E731
+    reads = lambda: len(_lines(records, "from IPU to host"))   # noqa: E731 - a one-line helper
     first = opt.state_dict()
     assert reads() == 1
     second = opt.state_dict()

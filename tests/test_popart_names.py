@@ -188,4 +188,4 @@ def test_get_logger_raises_and_unknown_names_are_attribute_errors():
         popart.getLogger()
     with pytest.raises(AttributeError, match="has no attribute 'NoSuchThing': it holds "
                                              "PopART's enums"):
-        popart.NoSuchThing  # noqa: B018
+        popart.NoSuchThing  # noqa: B018 - the attribute's access raises

@@ -315,11 +315,11 @@ def test_aliases_map_poptorch_and_its_submodules(alias):
     assert pd is popdist and pdp is popdist_poptorch
     with pytest.raises(ModuleNotFoundError, match="'poptorch' is 'poptorchsim', which has "
                                                   "no module 'poptorchsim.no_such'"):
-        import poptorch.no_such  # noqa: F401
+        import poptorch.no_such
     aliases.uninstall()
     assert "poptorch" not in sys.modules and "poptorch.optim" not in sys.modules
     with pytest.raises(ModuleNotFoundError):
-        import poptorch  # noqa: F401,F811
+        import poptorch
 
 
 def test_popart_is_aliased_only_where_poptorchsim_has_it(alias):

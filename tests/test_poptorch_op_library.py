@@ -96,7 +96,8 @@ def test_the_cnn_benchmarks_name_scope_hooks_work():
     closes over the loop variable, so every scope is the last module's name)."""
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     for name, m in model.named_modules():
-        m.register_forward_pre_hook(lambda _m, _i: P.push_name_scope(name.split(".")[-1]))
+        m.register_forward_pre_hook(  # the late binding is the pitfall this test reproduces
+            lambda _m, _i: P.push_name_scope(name.split(".")[-1]))  # noqa: B023
         m.register_forward_hook(lambda _m, _i, _o: P.pop_name_scope())
     expected = model(X)                                   # runs on the CPU too
     opts = quiet_options().disableModuleNamescope()
@@ -118,7 +119,7 @@ def test_the_cnn_benchmarks_own_name_scope_hook_runs():
     hook = next(n for n in tree.body
                 if isinstance(n, ast.FunctionDef) and n.name == "name_scope_hook")
     namespace = {"torch": torch}
-    exec(compile(ast.Module([hook], []), str(CNNS_MODELS), "exec"), namespace)  # noqa: S102
+    exec(compile(ast.Module([hook], []), str(CNNS_MODELS), "exec"), namespace)  # noqa: S102 - the application's code, as it runs
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 5))
     namespace["name_scope_hook"](model)
     x = torch.randn(2, 3, 8, 8)

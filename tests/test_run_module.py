@@ -32,7 +32,8 @@ def test_fails_when_asked():
 
 def _run(cwd, *args, fail=False):
     env = {k: v for k, v in os.environ.items() if not k.startswith("POPDIST_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["FAIL_ONE"] = "1" if fail else "0"
     return subprocess.run([sys.executable, "-m", "poptorchsim.run", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
@@ -45,7 +46,8 @@ def test_a_module_runs_in_this_process_with_the_aliases(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "2 passed" in result.stdout
 
-    result = _run(tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_app.py", fail=True)
+    result = _run(tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_app.py",
+                  fail=True)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "1 failed, 1 passed" in result.stdout
 

@@ -142,7 +142,7 @@ def test_executable_rng_state_and_lazy_copies():
     model = poptorchsim.inferenceModel(torch.nn.Linear(2, 2))
     assert model._executable is None
     with pytest.raises(poptorchsim.Error, match="has not been compiled"):
-        model.rng_state
+        _ = model.rng_state
     model(torch.zeros(1, 2))
     assert model._executable is not None
     assert model.copyWeightsToHostIfNeeded() is False

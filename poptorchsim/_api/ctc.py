@@ -39,7 +39,7 @@ def _beam_search(log_probs, blank, beam_width):
     for step in log_probs:
         grown = {}
 
-        def add(prefix, blank_end, label_end):
+        def add(prefix, blank_end, label_end, grown=grown):
             old_b, old_l = grown.get(prefix, (_NEG_INF, _NEG_INF))
             grown[prefix] = (_log_add(old_b, blank_end), _log_add(old_l, label_end))
 

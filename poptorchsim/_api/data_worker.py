@@ -89,9 +89,16 @@ class Worker:
     def __init__(self, dataset, buffer_size, miss_sleep_time_in_ms, load_indefinitely,
                  early_preload, sharing_strategy, rebatched_size, rebatched_drop_last):
         ctx = multiprocessing.get_context(_CONTEXTS[SharingStrategy(sharing_strategy)])
+        if ctx.get_start_method() == "forkserver":
+            # the fork server imports PyTorch and poptorchsim once, before it
+            # starts: each worker it forks has them (a worker importing them
+            # itself took 5-6 s to start on a 2-core machine). No effect on a
+            # fork server already running.
+            ctx.set_forkserver_preload(["__main__", "torch", "poptorchsim"])
         self.commands = ctx.SimpleQueue()
         self.data = ctx.Queue(maxsize=buffer_size)
-        settings = dict(miss_sleep_s=miss_sleep_time_in_ms / 1000.0,
+        settings = dict(start_method=multiprocessing.get_start_method(),
+                        miss_sleep_s=miss_sleep_time_in_ms / 1000.0,
                         load_indefinitely=load_indefinitely, early_preload=early_preload,
                         rebatched_size=rebatched_size, drop_last=rebatched_drop_last)
         with tempfile.TemporaryDirectory() as folder:
@@ -238,6 +245,10 @@ def _main(dataset, commands, data, settings):
     """The worker process: one thread (as torch's DataLoader workers), the
     dataset loaded, its first item read, then the loading loop."""
     torch.set_num_threads(1)
+    # the host's default start method, for the DataLoader's own workers (a
+    # worker the fork server started has the fork server's: its workers then
+    # started a fork server of their own, importing PyTorch again, 2.5 s)
+    multiprocessing.set_start_method(settings["start_method"], force=True)
     try:
         if isinstance(dataset, str):
             with open(dataset, "rb") as f:

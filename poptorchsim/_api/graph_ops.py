@@ -230,7 +230,7 @@ def _ipu_dtype(dtype):
     return {torch.int64: torch.int32, torch.float64: torch.float32}.get(dtype, dtype)
 
 
-def dynamic_update(input, src, dim, start, size):  # noqa: A002 - PopTorch's name
+def dynamic_update(input, src, dim, start, size):  # PopTorch's name
     """``input`` with ``size`` elements along ``dim``, from the index held in
     the tensor ``start``, replaced by ``src`` (PopTorch's checks and texts)."""
     if not isinstance(input, torch.Tensor):

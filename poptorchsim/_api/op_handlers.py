@@ -80,7 +80,7 @@ _PARTIALS = {0: torch.float32, 1: torch.float16}
 
 
 def end_multi_conv(available_memory_proportions, partials_types, plan_type,
-                   per_conv_reserved_tiles, cycle_back_off, enableConvDithering):  # noqa: N803
+                   per_conv_reserved_tiles, cycle_back_off, enableConvDithering):
     """Closes the ``MultiConv`` of ``begin_multi_conv`` with these options
     (PopTorch's encodings: partials 0 float / 1 half, plan 0 Parallel /
     1 Serial, dithering as ints)."""

@@ -316,7 +316,7 @@ class _PrecisionOptions(_OptionsDict):
                          enable_stochastic_rounding=False, partials_type="float",
                          running_statistics_always_float=False)
 
-    def halfFloatCasting(self, half_float_casting):  # noqa: ARG002 - deprecated, as PopTorch
+    def halfFloatCasting(self, half_float_casting):  # deprecated, as PopTorch
         """Deprecated in PopTorch, and a no-op there: ops mixing fp16 and fp32
         operands always compute in fp32 (``HalfUpcastToFloat``)."""
         import logging

@@ -24,7 +24,7 @@ def module_repr(m):
     return text + ")"
 
 
-def print(m):  # noqa: A001 - PopTorch's name (it shadows the builtin in its namespace)
+def print(m):  # PopTorch's name (it shadows the builtin in its namespace)
     """Prints ``module_repr(m)`` for a module, then ``m`` as the builtin does."""
     if isinstance(m, torch.nn.Module):
         builtins.print(module_repr(m))

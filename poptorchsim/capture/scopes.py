@@ -142,11 +142,11 @@ def module_name_scopes(model, enabled=True):
         return
 
     def enter(name):
-        def pre_hook(module, args):  # noqa: ARG001 - torch's hook signature
+        def pre_hook(module, args):  # torch's hook signature
             push_name_scope(name)
         return pre_hook
 
-    def leave(module, args, output):  # noqa: ARG001 - torch's hook signature
+    def leave(module, args, output):  # torch's hook signature
         pop_name_scope(strict=False)
 
     handles = []

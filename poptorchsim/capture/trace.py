@@ -30,7 +30,7 @@ from .mixed_precision import MixedPrecision
 from .op_calls import PoptorchOpCalls
 from .weightless import explain_meta_constant, fake_meta_example
 from .trace_checks import constants_as_compiled, held_constants
-from .trace_checks import (_check_multiconvs, _drop_constant_reads, _explain_failure,  # noqa: F401
+from .trace_checks import (_check_multiconvs, _drop_constant_reads, _explain_failure,
                            _named_inputs, _user_frame, forward_signature)
 
 aten = torch.ops.aten
@@ -150,7 +150,7 @@ def _trace(fn, example, what, blocks_seen=None, stack_traces=False):
             blocks_seen.extend(dict.fromkeys(entered))     # unique, in entry order
     except Error:
         raise
-    except Exception as exc:  # noqa: BLE001 - classified below
+    except Exception as exc:  # classified below
         name = type(exc).__name__
         if name in ("GuardOnDataDependentSymNode", "DataDependentOutputException",
                     "DynamicOutputShapeException") or "data-dependent" in str(exc) \
@@ -165,10 +165,10 @@ def _trace(fn, example, what, blocks_seen=None, stack_traces=False):
         if node.target in (aten._local_scalar_dense.default, aten.item.default):
             stack = node.meta.get("stack_trace", "") or ""
             where = stack.strip().splitlines()[-2:] if stack else []
+            at = ": " + " ".join(w.strip() for w in where) if where else ""
             raise DataDependentError(
                 f"While tracing the {what}, forward() read a tensor's value into "
-                f"Python (.item() or similar){': ' + ' '.join(w.strip() for w in where) if where else ''}. "
-                f"{DATA_DEPENDENT_HELP}")
+                f"Python (.item() or similar){at}. {DATA_DEPENDENT_HELP}")
     return gm
 
 
@@ -181,7 +181,7 @@ def _trace_model(fn, example, what, blocks, stack_traces, inputs):
         gm = _trace(fn, example, what, blocks, stack_traces)
     except Error:
         raise
-    except Exception as exc:  # noqa: BLE001 - re-raised unless explained
+    except Exception as exc:  # re-raised unless explained
         explained = _explain_failure(exc, what, *inputs) or \
             explain_meta_constant(exc, inputs[0], what)
         if explained is None:

@@ -221,7 +221,7 @@ def constants_as_compiled(gm, held):
         gm.graph.erase_node(node)
         for held_node in nodes_of[key]:     # later reads see the new value
             held_node.replace_all_uses_with(
-                new, delete_user_cb=lambda user: order.get(user, len(order)) > at)
+                new, delete_user_cb=lambda user, at=at: order.get(user, len(order)) > at)
         key_of[new] = key
         nodes_of[key].append(new)
         latest[key] = new

@@ -6,7 +6,7 @@ the result.  (The model's step is captured in ``trace.py``.)"""
 import copy
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree

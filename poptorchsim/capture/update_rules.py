@@ -61,7 +61,7 @@ def plan_update(optimizer, settings, *, accumulating=False, running_mean=False):
     loss_scaling = (not ls_const) or ls_value != 1.0
     flags = []
     for g in range(settings.groups):
-        def on(name):
+        def on(name, g=g):
             value, const = settings.values.get((g, name), (0.0, True))
             return (not const) or value != 0.0
         f = {"maximize": settings.attrs["maximize"][g],

@@ -84,6 +84,6 @@ def explain_meta_constant(exc, module, what):
         f"While tracing the {what}, tensors met on two devices: the model holds "
         f"{', '.join(names[:3])}, a tensor on the meta device that is neither a "
         "parameter nor a buffer: the program holds such a tensor as a constant, with "
-        "its values, so the model cannot be compiled without them. Register it as a buffer (self.register_buffer("
-        f"'{first}', tensor, persistent=False)), which is compiled from its shape like "
-        "the weights, or create it on the CPU.")
+        "its values, so the model cannot be compiled without them. Register it as a "
+        f"buffer (self.register_buffer('{first}', tensor, persistent=False)), which is "
+        "compiled from its shape like the weights, or create it on the CPU.")

@@ -84,7 +84,8 @@ def main(argv=None):
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     installed = aliases.install()       # import poptorch, popdist -> poptorchsim
-    installed.export(_alias_directory(installed.aliased))    # ... and in processes the script starts
+    # ... and in processes the script starts
+    installed.export(_alias_directory(installed.aliased))
     if os.environ["RANK"] == "0":
         for note in installed.notes():
             print(note, file=sys.stderr)

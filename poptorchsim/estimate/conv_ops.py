@@ -53,7 +53,7 @@ def passes_of(op, item, partial):
         return [forward_conv(x.shape, w.shape, op.args[3], op.args[4], op.args[8], item,
                              partial)]
     if name == "convolution_backward":
-        grad, x, w = op.args[0], op.args[1], op.args[2]
+        x, w = op.args[1], op.args[2]
         transposed = bool(op.args[7])
         if transposed or len(x.shape) < 3 or any(d != 1 for d in _pair(op.args[6])):
             return None

@@ -132,8 +132,9 @@ class Conv:
         # and whose real input (this pass's: the forward's output) is no
         # larger than the kernel
         flat = batch if w > 1 and 1 < self.kw and self.cols <= self.kw else 0
-        return Conv(self.groups, self.cout, self.cin, batch * h, w, kh, kw, 1, self.rows + (self.kh - 1) * batch,
-                    self.cols + self.kw - 1, self.in_bytes, self.partial_bytes, self.out_bytes,
+        return Conv(self.groups, self.cout, self.cin, batch * h, w, kh, kw, 1,
+                    self.rows + (self.kh - 1) * batch, self.cols + self.kw - 1, self.in_bytes,
+                    self.partial_bytes, self.out_bytes,
                     "bwd", in_elems=self.cout * self.rows * self.cols,
                     flat_batch=flat).flattened()
 

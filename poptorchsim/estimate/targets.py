@@ -92,7 +92,8 @@ MK2 = Target("Mk2", tiles=1472, bytes_per_tile=638_976, clock_hz=1.33e9,
              exchange_bytes_per_cycle=_K.REGISTRY["exchange_bytes_per_cycle"].value,
              sync_cycles=_K.REGISTRY["sync_cycles"].value,
              link_bytes_per_s=_K.REGISTRY["link_bytes_per_s"].value, links=10,
-             host_bytes_per_s=_K.REGISTRY["host_bytes_per_s"].value, host_latency_s=HOST_COPY_LATENCY_S, call_overhead_s=CALL_OVERHEAD_S)
+             host_bytes_per_s=_K.REGISTRY["host_bytes_per_s"].value,
+             host_latency_s=HOST_COPY_LATENCY_S, call_overhead_s=CALL_OVERHEAD_S)
 
 MK1 = replace(MK2, name="Mk1", tiles=1216, bytes_per_tile=262_144, clock_hz=1.6e9,
               amp_macs_fp32=8, amp_macs_fp16=32, amp_macs_fp16_float_partials=32,

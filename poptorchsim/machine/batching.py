@@ -113,7 +113,8 @@ def buffer_split(graph):
             return None, f"op {op.name} writes or loops over what the buffers reach"
         reach[op.id] = hit
         tainted |= {op.outputs[k].id for k in hit if op.outputs[k] is not None}
-    others, new = graph.outputs[:len(graph.outputs) - n_buf], graph.outputs[len(graph.outputs) - n_buf:]
+    cut = len(graph.outputs) - n_buf
+    others, new = graph.outputs[:cut], graph.outputs[cut:]
     read = [t for t in others if t.id in tainted]
     if read:
         return None, f"the step's output {read[0].name} reads its buffers"

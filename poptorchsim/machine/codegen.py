@@ -157,7 +157,8 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
         return names[t.id]
 
     def const(value):
-        if isinstance(value, _SIMPLE) and not (isinstance(value, float) and not math.isfinite(value)):
+        if isinstance(value, _SIMPLE) and not (isinstance(value, float)
+                                               and not math.isfinite(value)):
             return repr(value)
         key = f"_c{len(glb)}"
         glb[key] = value

@@ -28,10 +28,10 @@ import math
 import torch
 from torch.utils import _pytree as pytree
 
-from .half_partials import (HALF_PARTIALS, PARTIALS_CHUNK, SLICE_CHUNKS,  # noqa: F401
+from .half_partials import (HALF_PARTIALS, PARTIALS_CHUNK, SLICE_CHUNKS,  # noqa: F401 - re-exported
                             half_partials_kernel, half_partials_mm, mark_partials,
                             uses_half_partials)
-from .rounding import (HALF, Rounding, _has_half, _widen_all,  # noqa: F401
+from .rounding import (HALF, Rounding, _has_half, _widen_all,  # noqa: F401 - re-exported
                        stochastic_round, with_stochastic_rounding)
 
 aten = torch.ops.aten

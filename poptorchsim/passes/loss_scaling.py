@@ -39,8 +39,9 @@ from ..ir.ops import cost_class
 
 HALF_MAX = 65504.0
 CLIP = 2.0 ** 15                 # the largest power of two below HALF_MAX
-GATHERS_AND_SLICES = ("gather", "cat", "slice", "select", "index_select", "embedding_dense_backward",
-                      "slice_backward", "select_backward", "index", "index_put")
+GATHERS_AND_SLICES = ("gather", "cat", "slice", "select", "index_select",
+                      "embedding_dense_backward", "slice_backward", "select_backward", "index",
+                      "index_put")
 
 _lib = torch.library.Library("poptorchsim", "FRAGMENT")
 _lib.define("gradient_histogram(Tensor x, float edge) -> Tensor")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import OutOfMemoryError
-from .liveness import Temps, add_loaded, buffer_roots, live_usage
+from .liveness import Temps, buffer_roots, live_usage
 
 VERTEX_STATE_BYTES = 48        # per op, per tile it runs on
 
@@ -350,7 +350,8 @@ def check_fits(report, target, allow_out_of_memory=False, n_ipus=1):
     error = OutOfMemoryError(
         f"Out of memory on tile {report.ipu * target.tiles + tile}: {int(total[tile])} "
         f"bytes used but tiles only have {report.capacity} bytes of memory{where}. {over} "
-        f"of {target.tiles} tiles of {ipu_name} overflow (always-live {int(report.always_live[tile])} B, "
+        f"of {target.tiles} tiles of {ipu_name} overflow "
+        f"(always-live {int(report.always_live[tile])} B, "
         f"not-always-live {int(report.not_always_live[tile])} B on tile {tile}). "
         f"Largest tensors there: {largest}. Reduce the micro-batch size or the model, "
         "or split the model over more IPUs.")

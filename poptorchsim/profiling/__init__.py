@@ -11,7 +11,7 @@ and the page says why it has no plots.
 import json
 import os
 
-from .channel import Channel  # noqa: F401 - poptorch.profiling.Channel
+from .channel import Channel  # poptorch.profiling.Channel
 from .page import render
 from .text import op_table, summary
 

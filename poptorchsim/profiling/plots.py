@@ -80,7 +80,7 @@ def plot_memory(report, path, zoom_below=0.4, ipu=None):
         if zoom else [fig.add_subplot()]
 
     for i, ax in enumerate(axes):
-        def layer(lower, upper, **kw):
+        def layer(lower, upper, ax=ax, **kw):
             # one step polygon per layer; stairs() is ~10x slower on 1472 tiles
             ax.fill_between(edges, np.append(lower, lower[-1:]) / div,
                             np.append(upper, upper[-1:]) / div, step="post", linewidth=0,

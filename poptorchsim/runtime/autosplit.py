@@ -89,7 +89,7 @@ class SplitPlan:
         return model
 
     def explain(self):
-        total_c = sum(l.cycles for l in self.layers) or 1.0
+        total_c = sum(layer.cycles for layer in self.layers) or 1.0
         lines = [f"Split over {self.num_ipus} {self.target_name} IPUs (layers per IPU "
                  f"{self.layers_per_ipu}): the slowest IPU's share of the cycles made as small "
                  "as it can be, then the split compiled as a pipeline and its memory checked "

@@ -212,7 +212,7 @@ class _Describer:
 
 def _cell_full(cell):
     try:
-        cell.cell_contents
+        cell.cell_contents  # noqa: B018 - reading an empty cell raises ValueError
     except ValueError:
         return False
     return True
@@ -401,7 +401,7 @@ def unpack(data, key=None):
         raise StaleExecutable("key", "compiled for different " + ", ".join(changed))
     try:
         return loads(entry["compiled"])
-    except Exception as exc:      # noqa: BLE001
+    except Exception as exc:      # noqa: BLE001 - any unpickling failure: a stale entry
         raise StaleExecutable("unreadable", f"unreadable ({type(exc).__name__}: {exc})") from None
 
 

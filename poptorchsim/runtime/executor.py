@@ -182,7 +182,8 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
                     "disable buffer broadcasting using "
                     "poptorch.Options.broadcastBuffers(False).")
         self._constant_outputs = _input_independent_outputs(compiled)
-        self._fp_checks = compiled.program.graphs[compiled.program.model_graph].floating_point_checks
+        model_graph = compiled.program.graphs[compiled.program.model_graph]
+        self._fp_checks = model_graph.floating_point_checks
         self._compiled = compiled
         directory = profiling_directory(o)
         if directory is not None:

@@ -108,9 +108,10 @@ class PlanResult:
     def table(self, limit=15, rejected=8):
         """The ranked table a person reads: the best fitting configurations,
         then the rejected ones with the reason."""
+        each = self.seconds / max(len(self.results), 1)
         lines = [f"{len(self.results)} configurations of {self.ipus} {self.target_name} IPUs "
-                 f"considered in {self.seconds:.1f} s ({self.seconds / max(len(self.results), 1):.2f}"
-                 f" s each, {self.compiles} traces); {len(self.fitting)} fit.",
+                 f"considered in {self.seconds:.1f} s ({each:.2f} s each, {self.compiles} "
+                 f"traces); {len(self.fitting)} fit.",
                  f"{'rank':>4} {'samples/s':>10} {'headroom':>8}  {'peak tile per IPU (KiB)':<28} "
                  "configuration"]
         for k, r in enumerate(self.fitting[:limit]):

@@ -36,7 +36,7 @@ from ..errors import Error
 from . import compiler
 from .autosplit import _partition
 from .config import CompileConfig
-from .plan_result import Configuration, Evaluated, PlanResult  # noqa: F401 - the planner's API
+from .plan_result import Configuration, Evaluated, PlanResult  # the planner's API
 
 #: where the optimizer state lives -> TensorLocations settings
 OPTIMIZER_STATE = {

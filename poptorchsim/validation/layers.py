@@ -244,7 +244,7 @@ def _fc(p, dtype):
 
 def _gemm(p, dtype):
     m, k, n = int(p["m"]), int(p["k"]), int(p["n"])
-    z = lambda *s: torch.zeros(*s, dtype=dtype, device="cpu")   # noqa: E731
+    z = lambda *s: torch.zeros(*s, dtype=dtype, device="cpu")   # noqa: E731 - a one-line helper
     return Layer("", "gemm", _Gemm(), (z(m, k), z(k, n), z(m, n)), False)
 
 

@@ -25,7 +25,7 @@ def _harness_ops(graph):
     one-element parameter and that parameter's gradient (a product with
     the input, summed).  Each touches a 0-dim tensor, or only feeds one."""
     ops = graph.ops
-    scalar = lambda t: t is not None and len(t.shape) == 0   # noqa: E731
+    scalar = lambda t: t is not None and len(t.shape) == 0   # noqa: E731 - a one-line helper
     harness = {id(op) for op in ops
                if any(scalar(t) for t in op.outputs) or any(scalar(t) for t in op.input_tensors())}
     consumers = {}

@@ -305,13 +305,14 @@ def test_map_only_and_tensor_walks_match_pytree():
                torch.Size([2, 3]), slice(1, 2), None, "x"),
               ((t, 1, [u, {"k": t}]), {"out": None}), torch.max(u, 0), (torch.Size([1]), t)]
     for x in values:
-        f = (lambda v: v * 10)
+        def f(v):
+            return v * 10
         assert _map_only(int, f, x) == pytree.tree_map_only(int, f, x)
         expected = [y for y in pytree.tree_leaves(x) if isinstance(y, torch.Tensor)]
         assert [id(y) for y in blocks._tensors(x)] == [id(y) for y in expected]
 
 
-# -- the collector ----------------------------------------------------------------------------------
+# -- the collector ---------------------------------------------------------------------------
 def test_the_collector_is_paused_while_compiling_and_restored():
     seen = []
 

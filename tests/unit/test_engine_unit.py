@@ -34,7 +34,7 @@ class Recorder:
         self.log = []
 
     def step(self, inputs):
-        w, x = inputs[0], inputs[1]
+        x = inputs[1]
         self.log.append(("step", int(x.item())))
         return [x.clone(), x.clone()]
 
