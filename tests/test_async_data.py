@@ -194,7 +194,9 @@ def test_training_from_an_async_loader_matches_sync():
 
 
 def test_errors_in_the_worker_reach_the_host():
-    with pytest.raises(poptorch.Error, match="The Dataset is empty"):
+    # before the worker is ready: PopTorch's "failed to start", with the cause
+    with pytest.raises(poptorch.Error, match="(?s)worker thread failed to start.*"
+                                             "The Dataset is empty"):
         poptorch.AsynchronousDataAccessor(Counted(0, counter()), **FORK)
     accessor = poptorch.AsynchronousDataAccessor(Counted(5, counter(), fail_at=3), **FORK)
     with pytest.raises(poptorch.Error, match="An error occurred in the data fetcher: "
@@ -263,3 +265,26 @@ def test_a_sharing_strategy_named_by_a_string_runs_as_poptorch_runs_it():
         assert_same(batches(loader), batches(torch.utils.data.DataLoader(dataset(8), batch_size=2)))
     finally:
         loader.terminate()
+
+
+_METHODS = ("fork", "spawn", "forkserver")
+
+
+class StartMethods(torch.utils.data.IterableDataset):
+    """Yields the start method a DataLoader's own workers get in this process."""
+
+    def __iter__(self):
+        yield torch.tensor([_METHODS.index(multiprocessing.get_start_method())])
+
+
+def test_a_fork_server_worker_starts_the_loaders_workers_as_the_host_would():
+    """A worker the fork server started takes the host's default start method
+    for the DataLoader it runs (with the fork server's, its DataLoader's own
+    workers started a fork server of their own, importing PyTorch again)."""
+    accessor = poptorch.AsynchronousDataAccessor(
+        StartMethods(), sharing_strategy=poptorch.SharingStrategy.ForkServer)
+    try:
+        got = next(iter(accessor))
+    finally:
+        accessor.terminate()
+    assert _METHODS[int(got)] == multiprocessing.get_start_method()

@@ -25,6 +25,7 @@ begins the next epoch as soon as one ends.
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import traceback
 
@@ -124,8 +125,11 @@ class Worker:
                 continue
             if message[0] == "ready":
                 return
+            # as PopTorch: the worker's error printed, then "failed to start"
+            # (here with the worker's error in the message too)
             self.terminate()
-            raise Error(message[2])
+            print(message[2], file=sys.stderr)
+            raise Error(f"{START_FAILED_ERR}: {message[2]}")
 
     def start(self, epoch):
         self.commands.put(("start", epoch))
