@@ -58,3 +58,36 @@ def test_parse_a_module():
     assert args.args == ["-x", "tests/a.py"]
     with pytest.raises(SystemExit):
         parse(["--num-instances", "2", "-m", "pytest"])
+
+
+SAMPLER_PROGRAM = '''import torch
+import poptorch
+
+
+class Batches(torch.utils.data.Sampler):
+    """Written for torch 2.0, as PopTorch's tests write their samplers."""
+
+    def __init__(self, n):
+        super().__init__(None)
+        self.n = n
+
+    def __iter__(self):
+        return iter([[i, i + 1] for i in range(0, self.n, 2)])
+
+    def __len__(self):
+        return self.n // 2
+
+
+data = torch.utils.data.TensorDataset(torch.arange(8.0))
+loader = poptorch.DataLoader(poptorch.Options(), data, batch_sampler=Batches(8))
+print("batches", [b[0].tolist() for b in loader])
+'''
+
+
+def test_samplers_written_for_torch_2_0_run_unchanged(tmp_path):
+    """torch 2.0's ``Sampler.__init__(data_source)``, which later PyTorch
+    dropped, is there for programs the launcher runs (torch_compat.py)."""
+    (tmp_path / "program.py").write_text(SAMPLER_PROGRAM)
+    result = _run(tmp_path, "program.py")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "batches [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]" in result.stdout

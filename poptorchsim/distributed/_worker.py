@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 
-from . import aliases
+from . import aliases, torch_compat
 
 GRACE_S = 3.0
 STOPPED = 128 + signal.SIGTERM     # the exit code after the grace period
@@ -84,6 +84,7 @@ def main(argv=None):
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     installed = aliases.install()       # import poptorch, popdist -> poptorchsim
+    torch_compat.install()              # PyTorch as PopTorch's programs call it
     # ... and in processes the script starts
     installed.export(_alias_directory(installed.aliased))
     if os.environ["RANK"] == "0":
@@ -103,6 +104,7 @@ def run_here(script, args, module=False):
     sys.argv = [script, *args]
     sys.path.insert(0, os.getcwd() if module else os.path.dirname(os.path.abspath(script)))
     installed = aliases.install()
+    torch_compat.install()
     installed.export(_alias_directory(installed.aliased))
     for note in installed.notes():
         print(note, file=sys.stderr)
