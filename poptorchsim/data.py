@@ -15,6 +15,7 @@ import warnings
 import weakref
 
 import torch
+import torch.utils._pytree as pytree
 
 from ._api.data_worker import Worker
 from .enums import DataLoaderMode, SharingStrategy
@@ -54,10 +55,11 @@ class DataLoader(torch.utils.data.DataLoader):
             self._combined_batch_size = (None if batch_size is None
                                          else batch_size * self._num_batches_to_combine)
             self.batch_sampler_drop_last = drop_last
-            super().__init__(dataset, batch_sampler=_Combine(batch_sampler,
-                                                             self._num_batches_to_combine,
-                                                             drop_last),
-                             num_workers=num_workers, **kwargs)
+            # each of the sampler's batches collated on its own (a collate_fn
+            # may pad it), then combined (PopTorch's combined_batch_generator)
+            self._is_user_batch_sampler_set = True
+            super().__init__(dataset, batch_sampler=batch_sampler, num_workers=num_workers,
+                             **kwargs)
             self._start_async(mode, async_options, None)
             return
         processes = o.Distributed.numProcesses
@@ -133,6 +135,9 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __len__(self):
         accessor = self.__dict__.get("_accessor")
+        if self.__dict__.get("_is_user_batch_sampler_set"):
+            whole, rest = divmod(super().__len__(), self._num_batches_to_combine)
+            return whole + (1 if rest and not self.batch_sampler_drop_last else 0)
         if accessor is None or not accessor.rebatched_size:
             return super().__len__()
         n = len(self.dataset)
@@ -145,6 +150,9 @@ class DataLoader(torch.utils.data.DataLoader):
         accessor = self.__dict__.get("_accessor")
         if accessor is not None:
             return iter(accessor)
+        n = self._num_batches_to_combine
+        if self.__dict__.get("_is_user_batch_sampler_set") and n > 1:
+            return _combined(super().__iter__(), n, self.batch_sampler_drop_last)
         return super().__iter__()
 
     @property
@@ -225,6 +233,7 @@ class AsynchronousDataAccessor:
                         "Either use the existing one or set "
                         "mode='poptorch.DataLoaderMode.Sync' in the DataLoader.")
         if isinstance(dataset, DataLoader) and not dataset.drop_last \
+                and not dataset.__dict__.get("_is_user_batch_sampler_set") \
                 and dataset.combinedBatchSize not in (None, 1) and rebatched_size is None:
             raise AssertionError("The 'drop_last=False' option from the DataLoader only works "
                                  "if 'rebatched_size' is specified too.")
@@ -357,24 +366,24 @@ class _ProcessPart(torch.utils.data.Sampler):
         return self.length
 
 
-class _Combine(torch.utils.data.Sampler):
-    """Concatenates ``n`` consecutive batches of a user's batch_sampler;
-    fewer than ``n`` left at the end make one last, smaller batch unless
+def _combined(batches, n, drop_last):
+    """``n`` consecutive collated batches at a time, each tensor of them
+    concatenated along dim 0 (tuples, lists, dicts and types with a custom
+    argument parser taken apart; other values from the last batch); fewer
+    than ``n`` left at the end make one last, smaller batch unless
     ``drop_last`` (PopTorch's ``combined_batch_generator``)."""
+    pending = []
 
-    def __init__(self, batch_sampler, n, drop_last=True):
-        self.batch_sampler, self.n, self.drop_last = batch_sampler, n, drop_last
-
-    def __iter__(self):
-        pending = []
-        for i, batch in enumerate(self.batch_sampler, 1):
-            pending.extend(batch)
-            if i % self.n == 0:
-                yield pending
-                pending = []
-        if pending and not self.drop_last:
-            yield pending
-
-    def __len__(self):
-        whole, rest = divmod(len(self.batch_sampler), self.n)
-        return whole + (1 if rest and not self.drop_last else 0)
+    def join():
+        leaves = [pytree.tree_flatten(b)[0] for b in pending]
+        spec = pytree.tree_flatten(pending[-1])[1]
+        return pytree.tree_unflatten(
+            [torch.cat(column) if isinstance(column[-1], torch.Tensor) else column[-1]
+             for column in zip(*leaves)], spec)
+    for batch in batches:
+        pending.append(batch)
+        if len(pending) == n:
+            yield join()
+            pending = []
+    if pending and not drop_last:
+        yield join()

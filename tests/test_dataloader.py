@@ -190,3 +190,43 @@ def test_loader_batches_feed_inference():
         out = inference_model(x)
         with torch.no_grad():
             torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
+
+
+class _Growing(torch.utils.data.Sampler):
+    """Batches of 1, 2, 3, 1, 2, 3, ... indices (a dynamic batch sampler)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        start, size = 0, 1
+        while start < self.n:
+            yield list(range(start, min(start + size, self.n)))
+            start, size = start + size, size % 3 + 1
+
+    def __len__(self):
+        return len(list(iter(self)))
+
+
+def _pad_to_4(items):
+    """Pads each sampler batch to 4 rows (zeros), as a dynamic-padding collate_fn does."""
+    x = torch.stack([item[0] for item in items])
+    return torch.cat([x, x.new_zeros(4 - len(items), *x.shape[1:])]), torch.tensor([len(items)])
+
+
+@pytest.mark.parametrize("mode", [poptorchsim.DataLoaderMode.Sync,
+                                  poptorchsim.DataLoaderMode.Async])
+def test_a_batch_sampler_s_batches_are_collated_one_by_one_then_combined(mode):
+    """As PopTorch: the collate_fn sees each of the sampler's batches (here it
+    pads each to 4 rows), and the device iterations' batches are then
+    concatenated; drop_last=False keeps the last, shorter combination."""
+    dataset = IndexDataset(12)              # sampler batches of 1, 2, 3, 1, 2, 3
+    loader = poptorchsim.DataLoader(make_options(di=4), dataset, batch_sampler=_Growing(12),
+                                    collate_fn=_pad_to_4, drop_last=False, mode=mode)
+    try:
+        got = [(x[:, 0].tolist(), n.tolist()) for x, n in loader]
+    finally:
+        loader.terminate()
+    assert len(loader) == 2
+    assert got == [([0, 0, 0, 0, 1, 2, 0, 0, 3, 4, 5, 0, 6, 0, 0, 0], [1, 2, 3, 1]),
+                   ([7, 8, 0, 0, 9, 10, 11, 0], [2, 3])]
