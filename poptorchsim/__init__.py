@@ -276,13 +276,24 @@ class _ConsoleHandler(logging.StreamHandler):
         return sys.stderr
 
 
+class _PoptorchFormat(logging.Formatter):
+    """PopTorch's console lines: ``[12:00:00.000] [poptorch::python] [debug] ...``
+    (its logger's name, the level in lower case; programs and PopTorch's
+    tests read them)."""
+
+    def format(self, record):
+        record = logging.makeLogRecord(record.__dict__)     # the other handlers' is kept
+        record.levelname = record.levelname.lower()
+        return super().format(record)
+
+
 def _install_log_handler():
     """PopTorch's console format for the package's logger, at the level that
     ``POPTORCH_LOG_LEVEL`` names (WARN by default; a bad name fails the
     import with setLogLevel's ValueError, as in PopTorch)."""
     handler = _ConsoleHandler()
-    handler.setFormatter(logging.Formatter(
-        "[%(asctime)s.%(msecs)03d] [poptorch:python] [%(levelname)s] %(message)s",
+    handler.setFormatter(_PoptorchFormat(
+        "[%(asctime)s.%(msecs)03d] [poptorch::python] [%(levelname)s] %(message)s",
         datefmt="%H:%M:%S"))
     logger.addHandler(handler)
     logger.addFilter(_as_poptorch_logger_allows)

@@ -336,7 +336,7 @@ def _import_with_log_level(level, code="pass"):
 def test_log_level_from_the_environment():
     code = "p.logger.debug('a debug line'); p.logger.info('an info line')"
     debug = _import_with_log_level("DEBUG", code)
-    assert "[poptorch:python] [DEBUG] a debug line" in debug.stderr
+    assert "[poptorch::python] [debug] a debug line" in debug.stderr
     assert "an info line" in debug.stderr
     if "POPTORCH_LOG_LEVEL" not in os.environ:          # this process: the default, WARN
         assert poptorch.logger.getEffectiveLevel() == logging.WARNING

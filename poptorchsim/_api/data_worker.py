@@ -22,6 +22,7 @@ As PopTorch's worker, this one loads the first item as soon as it starts
 first ``start`` unless ``early_preload``; with ``load_indefinitely`` it
 begins the next epoch as soon as one ends.
 """
+import logging
 import os
 import pickle
 import queue
@@ -253,6 +254,8 @@ def _main(dataset, commands, data, settings):
     # worker the fork server started has the fork server's: its workers then
     # started a fork server of their own, importing PyTorch again, 2.5 s)
     multiprocessing.set_start_method(settings["start_method"], force=True)
+    logging.getLogger("poptorchsim").debug("AsynchronousDataAccessor worker process: %d",
+                                           os.getpid())    # PopTorch's line
     try:
         if isinstance(dataset, str):
             with open(dataset, "rb") as f:
