@@ -365,6 +365,23 @@ class _ProcessPart(torch.utils.data.Sampler):
     def __len__(self):
         return self.length
 
+    def __getstate__(self):
+        # the generator's state as bytes: torch.multiprocessing would hand its
+        # state tensor to an asynchronous worker through shared memory, which
+        # failed to map there ("unable to resize file ... Invalid argument")
+        state = dict(self.__dict__)
+        if self.generator is not None:
+            state["generator"] = bytes(self.generator.get_state().numpy())
+        return state
+
+    def __setstate__(self, state):
+        generator = state.get("generator")
+        if isinstance(generator, bytes):
+            state["generator"] = torch.Generator()
+            state["generator"].set_state(torch.frombuffer(bytearray(generator),
+                                                          dtype=torch.uint8))
+        self.__dict__.update(state)
+
 
 def _combined(batches, n, drop_last):
     """``n`` consecutive collated batches at a time, each tensor of them

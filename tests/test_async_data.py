@@ -288,3 +288,19 @@ def test_a_fork_server_worker_starts_the_loaders_workers_as_the_host_would():
     finally:
         accessor.terminate()
     assert _METHODS[int(got)] == multiprocessing.get_start_method()
+
+
+def test_a_shuffled_process_part_loads_asynchronously_as_synchronously():
+    """A DataLoader partitioned among processes (its sampler holds a seeded
+    generator) goes to the fork server's worker and gives the items the
+    synchronous loader gives, epoch after epoch."""
+    def loader(mode):
+        opts = poptorch.Options().randomSeed(42)
+        opts.Distributed.configureProcessId(1, 3)
+        return poptorch.DataLoader(opts, dataset(30), batch_size=2, shuffle=True, mode=mode)
+    sync, async_ = loader(poptorch.DataLoaderMode.Sync), loader(poptorch.DataLoaderMode.Async)
+    try:
+        for _ in range(2):
+            assert_same(batches(async_), batches(sync))
+    finally:
+        async_.terminate()
