@@ -132,7 +132,7 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
     made and widened again between them (in a GPT-2 step, 250 million
     values a call).  Every other op, and the graph's outputs, get fp16
     (``_narrow``).  The values are those of the fp16 program, bit for bit
-    (``tests/test_precision.py``)."""
+    (``tests/test_wide_values.py``)."""
     branches = {} if branches is None else branches
     if fp_checks is None:
         fp_checks = graph.floating_point_checks
