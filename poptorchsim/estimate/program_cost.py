@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..ir.graph import (Call, Repeat, Sequence)
+from ..ir.graph import Call, Repeat, Sequence
 from ..passes.pipeline import schedule
 from . import constants as K
 from .cost import _exchange_cycles, op_cost
