@@ -109,7 +109,7 @@ def _segment_wide(bits, values, pool, first_bit, first, count, out):
         r = _I(pool[k])
         i = bits[k]
         m = _I(i & _I(0x7FFFFFFF))
-        w = min(_I(_I(m + r) & _I(-8192)), _I(0x7F800000))
+        w = _I(_I(m + r) & _I(-8192))
         w = _I(0x7F800000) if w >= _I(0x47800000) else w           # past 65504: infinity
         t = _I(np.rint(abs(values[k]) * np.float32(137438953472.0)))
         low = np.float32(_I(_I(t + r) >> _I(13))) * np.float32(2.0 ** -24)
