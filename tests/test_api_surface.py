@@ -68,9 +68,6 @@ ABSENT = {
         "back lazily; the simulator copies them into the model after every call"),
     "PoplarExecutor.PoptorchBuffer": (
         "as PoptorchParameter: the simulator copies buffers back after every call"),
-    "PoplarExecutor.per_replica_params": (
-        "replica-grouped weights (parameter.replicaGrouping) are not simulated; no "
-        "application uses them"),
 }
 
 

@@ -133,10 +133,12 @@ def capture_update(plan, layouts, n_groups, unit_scale=False, traces=None):
 class GraphOnly:
     """An fx graph where lowering takes a ``GraphModule`` (``.graph``): the
     stitched update graph is lowered, never run, so it needs no Python code
-    generated for it."""
+    generated for it.  ``dead_code_free``: copies of rules whose dead code was
+    removed before copying, so lowering need not look for any."""
 
-    def __init__(self, graph):
+    def __init__(self, graph, dead_code_free=False):
         self.graph = graph
+        self.dead_code_free = dead_code_free
 
 
 def _update_by_parameter(plan, layouts, n_groups, unit_scale, traces):
@@ -174,8 +176,10 @@ def _update_by_parameter(plan, layouts, n_groups, unit_scale, traces):
                 [torch.zeros((), dtype=torch.float64) for _ in range(n_h)],
                 [torch.zeros((), dtype=torch.float64) for _ in range(n_g)],
                 torch.ones((), dtype=torch.float32))
-            traces[key] = make_fx(one(layout), tracing_mode="fake")(
+            graph = make_fx(one(layout), tracing_mode="fake")(
                 *fake_meta_example(example)).graph
+            graph.eliminate_dead_code()     # once here, not in every copy (GraphOnly)
+            traces[key] = graph
         return traces[key]
 
     template = {}                   # layout -> (traced graph, the shape it was traced at)
@@ -233,7 +237,7 @@ def _update_by_parameter(plan, layouts, n_groups, unit_scale, traces):
     for node in hyper + globals_:          # groups without trainable parameters
         node.meta.setdefault("val", scalar)
     graph.output((new_params, new_state, new_steps))
-    return _cast_scalars_once(GraphOnly(graph))
+    return _cast_scalars_once(GraphOnly(graph, dead_code_free=True))
 
 
 class _Copies:

@@ -95,11 +95,20 @@ class Op:
     partials: str = "float"           # "half": fp16 partials of a matmul or conv (precision)
     plan: str = ""                    # a conv's or matmul's Poplar-style plan, per pass
                                       # (estimate/conv_plan.py; set with the op costs)
+    # input_tensors' answer for the args and kwargs objects it was found in
+    _inputs: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
 
     def input_tensors(self):
+        """The Tensors among the op's arguments, in order.  Passes read it
+        many times: it is kept while ``args`` and ``kwargs`` are the same
+        objects (a pass that rewrites an op's arguments assigns new ones)."""
+        cached = self._inputs
+        if cached is not None and cached[0] is self.args and cached[1] is self.kwargs:
+            return list(cached[2])
         found = []
         _collect(self.args, found)
         _collect(self.kwargs, found)
+        self._inputs = (self.args, self.kwargs, tuple(found))
         return found
 
 

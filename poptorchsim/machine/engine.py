@@ -16,9 +16,12 @@ Repeat          runs its body ``count`` times, numbering the iterations of
                 micro-batches at a time): all replicas and micro-batches of
                 one update hold the same weights
 Call            the model's graph once per replica on that micro-batch
-                (training: the gradients are added into the accumulators);
-                the optimizer update once (every replica holds the same
-                weights; with sharded state, once per replica on its shard)
+                (training: the gradients are added into the accumulators;
+                a replica reads its input group's data and its group's row
+                of a replica-grouped weight, ``replica_groups.py``); the
+                optimizer update once (every replica holds the same
+                weights; with sharded state, once per replica on its shard;
+                with grouped weights, once per combination of rows)
 AllReduce       the accumulated gradients summed across host processes
                 (``distributed/``); within a process the replicas' gradients
                 were summed as they were accumulated
@@ -38,110 +41,8 @@ The graphs themselves run as generated Python (``codegen.compile_graph``).
 import torch
 
 from ..ir.graph import STEP_KINDS
-
-
-class OutputCollector:
-    """Keeps the outputs that the output mode streams back to the host."""
-
-    def __init__(self, mode, period, device_iterations, accumulation, replicas):
-        self.mode, self.period = mode, period
-        self.di, self.ga, self.rf = device_iterations, accumulation, replicas
-        self.kept = []            # list of lists of tensors, in [di, ga, rf] order
-        self.sums = None
-
-    def wants(self, i, g):
-        if self.mode == "All":
-            return True
-        if self.mode == "EveryN":
-            return (i + 1) % self.period == 0
-        if self.mode == "Final":
-            return i == self.di - 1 and g == self.ga - 1
-        return False
-
-    def add(self, i, g, r, outs):
-        if self.mode == "Sum":
-            if self.sums is None:
-                self.sums = [[None] * len(outs) for _ in range(self.rf)]
-            row = self.sums[r]
-            for k, t in enumerate(outs):
-                row[k] = t.clone() if row[k] is None else row[k] + t
-        elif self.wants(i, g):
-            self.kept.append(outs)
-
-    def result(self):
-        return self.sums if self.mode == "Sum" else self.kept
-
-
-def shard(t, n):
-    """Replicated tensor sharding: ``t`` flattened, zero-padded to a multiple
-    of ``n`` elements and cut into ``n`` equal shards (one per replica)."""
-    flat = t.reshape(-1)
-    size = -(-flat.numel() // n)
-    if size * n != flat.numel():
-        flat = torch.cat([flat, flat.new_zeros(size * n - flat.numel())])
-    return list(flat.view(n, size).clone().unbind(0))
-
-
-def unshard(parts, shape):
-    """The whole tensor of ``shape`` from its shards (an all-gather)."""
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return torch.cat([p.reshape(-1) for p in parts])[:n].view(shape)
-
-
-class Accumulation:
-    """How one weight update combines the gradients of its micro-batches, as
-    PopART's gradient accumulators do: summed (a running mean with
-    MeanReductionStrategy.Running) in the accumulator's type; for SGD's
-    combined variant, added straight into the combined velocity tensor (slot
-    0 of the parameter's state), each scaled by ``state.combined_scale``."""
-
-    def __init__(self, dtypes, running=False, into=()):
-        self.dtypes = list(dtypes)      # per parameter: the accumulator's type, or None
-        self.running = running
-        self.into = set(into)           # parameters accumulating into their velocity
-
-    def add(self, acc, grads, k, state, apart=False):
-        """The accumulators after micro-batch ``k`` (from 0).  ``apart``: the
-        combined variant's increments are summed apart from the velocity (they
-        are reduced across processes first, see ``finish``)."""
-        out = []
-        for i, g in enumerate(grads):
-            a = None if acc is None else acc[i]
-            if i in self.into:
-                if a is None:
-                    a = state.opt_state[i][0]
-                    a = torch.zeros_like(a) if apart else a
-                out.append(torch.add(a, g.to(a.dtype), alpha=state.combined_scale[i]))
-                continue
-            dtype = self.dtypes[i] or g.dtype
-            if a is None:
-                out.append(g.to(dtype))
-            elif self.running:          # s = f/(f+1) s + 1/(f+1) g, rounded once
-                out.append((a.float() * (k / (k + 1)) + g.float() * (1 / (k + 1))).to(dtype))
-            else:
-                out.append(a + g.to(dtype))
-        return out
-
-    def finish(self, acc, state):
-        """The velocities added to their reduced increments (see ``add``)."""
-        return [state.opt_state[i][0] + a if i in self.into else a for i, a in enumerate(acc)]
-
-
-class _Update:
-    """One weight update in progress: the gradient sums and what the
-    collectives and the update have done with them."""
-
-    def __init__(self, extra):
-        self.acc = None           # accumulated gradients, per trainable parameter
-        self.stats = None         # automatic loss scaling's gradient statistics
-        self.k = 0                # micro-batches accumulated
-        self.extra = extra        # the step's trailing inputs (the loss scaling)
-        self.reduced = set()      # parameters whose gradients are reduced across processes
-        self.stats_reduced = False
-        self.cut = {}             # parameter -> its gradient's shards (reduce-scatter)
-        self.gather = None        # a sharded update's results, until the all-gather
+from . import replica_groups
+from .call_state import Update, shard, unshard
 
 
 class Engine:
@@ -173,6 +74,11 @@ class Engine:
         # update and inference micro-batch runs under its own key
         self.streams = None
         self._batch = None          # (device iteration, micro-batch, replica) collected
+        # inputReplicaGrouping: the inputs' replica row each replica reads; None:
+        # its own.  replicaGrouping: parameter index -> the row of the grouped
+        # weight each replica holds (replica_groups.py)
+        self.input_of = None
+        self.weight_groups = {}
         # the rule for each kind of control step (a subclass may override one)
         self._rules = {kind: getattr(self, "_" + kind.__name__) for kind in STEP_KINDS}
 
@@ -209,7 +115,7 @@ class Engine:
 
     def _Repeat(self, step):
         if step.counter == "accumulation":
-            self._update = _Update(list(getattr(self._state, "step_extra", None) or []))
+            self._update = Update(list(getattr(self._state, "step_extra", None) or []))
             if self._batchable():
                 self._batch = []
         for k in range(step.count):
@@ -256,7 +162,8 @@ class Engine:
         n_buf = len(state.buffers[0])
         if self.streams is not None:
             self.streams.set("forward", i, r)
-        outs = self.step_fn(state.params + state.buffers[r] + [x[i, 0, r] for x in self._inputs])
+        outs = self.step_fn(replica_groups.params_of(state.params, self.weight_groups, r)
+                            + state.buffers[r] + [x[i, 0, self._row(r)] for x in self._inputs])
         n_out = len(outs) - n_buf
         state.buffers[r] = outs[n_out:]
         self._collector.add(i, 0, r, self._keep_writes(outs[:n_out]))
@@ -270,13 +177,15 @@ class Engine:
         n_train, n_buf = state.n_trainable, len(state.buffers[0])
         if self.streams is not None:
             self.streams.set("step", i, g, r)
-        outs = self.step_fn(state.params + state.buffers[r]
-                            + [x[i, g, r] for x in self._inputs] + u.extra)
+        outs = self.step_fn(replica_groups.params_of(state.params, self.weight_groups, r)
+                            + state.buffers[r] + [x[i, g, self._row(r)] for x in self._inputs]
+                            + u.extra)
         if self._scale is not None:       # the gradient statistics
             u.stats = outs[-1] if u.stats is None else u.stats + outs[-1]
             outs = outs[:-1]
         n_out = len(outs) - n_train - n_buf
-        grads = outs[n_out:n_out + n_train]
+        grads = replica_groups.spread(outs[n_out:n_out + n_train], state.params,
+                                      self.weight_groups, r)
         state.buffers[r] = outs[n_out + n_train:]
         self._collector.add(i, g, r, self._keep_writes(outs[:n_out]))
         if self.accumulation is None:
@@ -289,7 +198,12 @@ class Engine:
         """May this weight update's micro-batches run as one batched call?
         (A batched function, no loss-scale statistics, no written inputs;
         ``batching.serial_reason`` checked the graph.)"""
-        return self.batch_fn is not None and self._scale is None and not self.n_writes
+        return (self.batch_fn is not None and self._scale is None and not self.n_writes
+                and not self.weight_groups)
+
+    def _row(self, r):
+        """The inputs' replica row replica ``r`` reads."""
+        return r if self.input_of is None else self.input_of[r]
 
     def _run_batched(self, batch, rows=16):
         """The training step of every (i, g, r) in ``batch``, ``rows`` at a
@@ -327,7 +241,8 @@ class Engine:
                 keys = None if self.streams is None else torch.stack(
                     [self.streams.key_of("step", i, g, r) for i, g, r in part])
                 try:
-                    outs = self.batch_fn(shared, [torch.stack([x[i, g, r] for i, g, r in part])
+                    outs = self.batch_fn(shared, [torch.stack([x[i, g, self._row(r)]
+                                                               for i, g, r in part])
                                                   for x in self._inputs], u.extra, keys)
                 except Exception:  # noqa: BLE001 - vmap cannot batch an op: go serial
                     self.batch_fn, outs = None, None
@@ -436,6 +351,10 @@ class Engine:
             state.loss_scale.add(u.stats)
         if self.shards:
             self._sharded_update(state, u)
+        elif self.weight_groups:
+            state.params[:state.n_trainable], state.opt_state, state.steps, factor = \
+                replica_groups.grouped_update(self._run_update, state, u.acc, self.weight_groups)
+            self._scale_updated(state, factor)
         else:
             n_train = state.n_trainable
             state.params[:n_train], state.opt_state, state.steps, factor = self._run_update(

@@ -26,7 +26,6 @@ kernel unchanged, so fp16 results equal PyTorch's CPU fp16 bit for bit.
 import math
 
 import torch
-from torch.utils import _pytree as pytree
 
 from .half_partials import (HALF_PARTIALS, PARTIALS_CHUNK, SLICE_CHUNKS,  # noqa: F401 - re-exported
                             half_partials_kernel, half_partials_mm, mark_partials,
@@ -159,8 +158,7 @@ def takes_wide(op):
         return False
     if op.cost_class == "view":
         packet = getattr(op.target, "overloadpacket", None)
-        return getattr(packet, "__name__", "") not in _RETYPING_VIEWS and not any(
-            isinstance(a, torch.dtype) for a in pytree.tree_leaves((op.args, op.kwargs)))
+        return getattr(packet, "__name__", "") not in _RETYPING_VIEWS and not _names_dtype(op)
     if uses_half_partials(op) and half_partials_kernel(op.target) is not None:
         return False
     if rounds_stochastically(op):
@@ -168,11 +166,29 @@ def takes_wide(op):
     return exact_in_half(op) and _scalars_in_half(op)
 
 
+def _leaves(x):
+    """The leaves of an op's arguments (nested lists, tuples and dicts), as
+    ``pytree.tree_leaves`` gives them, without pytree's per-node lookups."""
+    if isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _leaves(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _leaves(y)
+    else:
+        yield x
+
+
+def _names_dtype(op):
+    """Does one of ``op``'s arguments name a dtype?"""
+    return any(isinstance(a, torch.dtype) for a in _leaves((op.args, op.kwargs)))
+
+
 def _scalars_in_half(op):
     """Are ``op``'s float arguments values fp16 holds (a threshold, a pad
     value)?  An fp16 op reads a scalar as fp16; in fp32 another value would
     compare or pad differently."""
-    floats = [a for a in pytree.tree_leaves((op.args, op.kwargs)) if isinstance(a, float)]
+    floats = [a for a in _leaves((op.args, op.kwargs)) if isinstance(a, float)]
     return all(math.isnan(a) or float(torch.tensor(a, dtype=HALF)) == a for a in floats)
 
 

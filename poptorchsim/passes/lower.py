@@ -113,7 +113,8 @@ _LEAVES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.l
 def lower(gm, name, roles, n_model_outputs=0):
     """Lower ``gm`` to an IR graph; ``roles[i]`` = (name, role) of placeholder i;
     the first ``n_model_outputs`` outputs are the model's own."""
-    gm.graph.eliminate_dead_code()
+    if not getattr(gm, "dead_code_free", False):    # capture/update_capture.GraphOnly
+        gm.graph.eliminate_dead_code()
     graph = root = Graph(name)
     scopes = [_Scope(root)]
     owner = {}                  # tensor -> the graph that defines it

@@ -25,20 +25,31 @@ class TileMapping:
     ipu: int = 0
 
     def _used(self):
-        """Bytes on each of the ``n_tiles`` tiles in use, in order."""
-        n_grains = -(-self.nbytes // self.grain)
-        base, extra = divmod(n_grains, self.n_tiles)
-        pos = np.arange(self.n_tiles)
-        per = (base + (pos < extra)).astype(np.int64) * self.grain
-        last = (extra - 1) if extra else self.n_tiles - 1
-        per[last] -= n_grains * self.grain - self.nbytes
-        return per
+        """Bytes on each of the ``n_tiles`` tiles in use, in order (read-only;
+        computed once: the memory passes read it for every op)."""
+        used = self.__dict__.get("_used_bytes")
+        if used is None:
+            n_grains = -(-self.nbytes // self.grain)
+            base, extra = divmod(n_grains, self.n_tiles)
+            pos = np.arange(self.n_tiles)
+            used = (base + (pos < extra)).astype(np.int64) * self.grain
+            last = (extra - 1) if extra else self.n_tiles - 1
+            used[last] -= n_grains * self.grain - self.nbytes
+            used.setflags(write=False)
+            self.__dict__["_used_bytes"] = used
+        return used
 
     def bytes_per_tile(self, tiles):
-        """Bytes on each tile, an array of length ``tiles``; sums to ``nbytes``."""
-        out = np.zeros(tiles, dtype=np.int64)
-        if self.nbytes:
-            out[(self.start + np.arange(self.n_tiles)) % tiles] = self._used()
+        """Bytes on each tile, an array of length ``tiles`` (read-only); sums to
+        ``nbytes``."""
+        kept = self.__dict__.setdefault("_per_tile", {})
+        out = kept.get(tiles)
+        if out is None:
+            out = np.zeros(tiles, dtype=np.int64)
+            if self.nbytes:
+                out[(self.start + np.arange(self.n_tiles)) % tiles] = self._used()
+            out.setflags(write=False)
+            kept[tiles] = out
         return out
 
     def max_bytes(self):

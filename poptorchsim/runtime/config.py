@@ -47,7 +47,7 @@ class CompileConfig:
     training: bool
     device_iterations: int = 1
     accumulation: int = 1             # gradient accumulation (1 in inference)
-    replicas: int = 1                 # replicas of this process (replicationFactor / inputGroup)
+    replicas: int = 1                 # replicas of this process (replicationFactor)
     processes: int = 1                # host processes sharing the replicas
     target: object = field(default_factory=default_target)   # estimate.targets.Target
     amp: object = 0.6                 # available memory proportion, or {IPU: proportion}
@@ -82,7 +82,7 @@ class CompileConfig:
             == enums.MeanReductionStrategy.Running)
         return cls(
             training=training, device_iterations=o.device_iterations, accumulation=ga,
-            replicas=o.replication_factor // o.input_group_size,
+            replicas=o.replication_factor,
             processes=o.Distributed.numProcesses,
             target=default_target(getattr(o, "ipu_model_version", None)),
             amp=_proportions(o), allow_oom=allow_out_of_memory(o),

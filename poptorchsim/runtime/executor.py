@@ -17,8 +17,9 @@ from .. import enums
 from ..capture.scopes import module_name_scopes
 from ..errors import Error, FloatingPointException
 from ..machine import host_device
-from ..machine.engine import Engine, OutputCollector
-from . import cache, compiler, export, lazy_weights, observe
+from ..machine.call_state import OutputCollector
+from ..machine.engine import Engine
+from . import cache, compiler, export, lazy_weights, observe, replica_grouping
 from . import optimizer_checks as opt_checks
 from .config import CompileConfig, output_mode
 from .engine_options import profiling_directory
@@ -84,6 +85,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         self._gradients = GradientMonitor()     # fp16 gradients, automatic loss scaling
         self._opt_settings = None       # the optimizer as the compiled update has it
         self._attribute_tracker = opt_checks.AttributeTracker(options.relax_optimizer_checks)
+        self.per_replica_params = {}    # parameter name -> replica_grouping.ReplicaGrouping
         if training and optimizer is not None:
             self._adopt_optimizer(optimizer)
 
@@ -99,17 +101,26 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self._user_model, name)
+        value = getattr(self._user_model, name)
+        if isinstance(value, torch.nn.Parameter):       # PopTorch's wrapper: replicaGrouping
+            return replica_grouping.GroupedParameter(self, name, value)
+        return value
 
     def __repr__(self):
         return repr(self._user_model)
 
     # -- batching ------------------------------------------------------------------
     def _factors(self):
+        """(device iterations, accumulation, replicas) of one call."""
         o = self._options
         ga = o.Training.gradient_accumulation if self._training else 1
-        rf = o.replication_factor // o.input_group_size
-        return o.device_iterations, ga, rf
+        return o.device_iterations, ga, o.replication_factor
+
+    def _input_factors(self):
+        """``_factors`` with the replicas whose inputs differ
+        (``inputReplicaGrouping``): how one call's inputs are cut."""
+        di, ga, rf = self._factors()
+        return di, ga, rf // self._options.input_group_size
 
     # -- compilation ------------------------------------------------------------------
     def compile(self, *args, **kwargs):
@@ -138,7 +149,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         self._check_output_period()
         self._observe.check(self._user_model)
         weightless = has_meta_state(self._user_model)
-        di, ga, rf = self._factors()
+        di, ga, rf = self._input_factors()
         self._inputs.check_no_grad(leaves)
         self._inputs.check_batch(leaves, di, ga, rf, self._options)
         factor = di * ga * rf
@@ -149,38 +160,28 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
             (args, kwargs))
         o = self._options
         config = CompileConfig.from_options(o, self._training)
+        grouped = replica_grouping.for_compile(self.per_replica_params, self._user_model, o,
+                                               config)
         # the host device its graphs are compiled for (their constants placed there)
         self._weights.device = host_device.current()
         if config.precision["running_statistics_always_float"]:
             keep_running_statistics_float(self._user_model)
         now, self._user_model.training = self._user_model.training, self._wrapped_training
         try:
-            if self._training:
-                compiled = self._through_cache(source, compiler.compile_training,
-                                               self._user_model, self._optimizer, micro[0],
-                                               micro[1], config)
-            else:
-                compiled = self._through_cache(source, compiler.compile_inference,
-                                               self._user_model, micro[0], micro[1], config)
+            with replica_grouping.one_row_each(self._user_model, grouped):
+                if self._training:
+                    compiled = self._through_cache(
+                        source, compiler.compile_training, self._user_model, self._optimizer,
+                        micro[0], micro[1], config)
+                else:
+                    compiled = self._through_cache(
+                        source, compiler.compile_inference, self._user_model, micro[0],
+                        micro[1], config)
         finally:
             self._user_model.training = now
         self._config = config
-        if self._training and rf > 1 and o.broadcast_buffers:
-            step = compiled.program.graphs["training_step"]
-            names = compiled.capture.buffer_names
-            inputs = {t.id for t in step.inputs if t.role == "buffer"}
-            norm_stats = {f"{m}.{b}" if m else b
-                          for m, mod in self._user_model.named_modules()
-                          if isinstance(mod, torch.nn.modules.batchnorm._NormBase)
-                          for b, _ in mod.named_buffers(recurse=False)}
-            end = len(step.outputs) - step.statistics_outputs
-            outs = step.outputs[end - len(names):end] if names else []
-            if any(t.id not in inputs and n not in norm_stats for n, t in zip(names, outs)):
-                raise Error(
-                    "PopTorch does not support broadcasting buffers. If your model is able "
-                    "to tolerate buffers becoming out of sync between replicas, you can "
-                    "disable buffer broadcasting using "
-                    "poptorch.Options.broadcastBuffers(False).")
+        if self._training:
+            replica_grouping.check_buffer_broadcast(compiled, self._user_model, o)
         self._constant_outputs = _input_independent_outputs(compiled)
         model_graph = compiled.program.graphs[compiled.program.model_graph]
         self._fp_checks = model_graph.floating_point_checks
@@ -196,6 +197,9 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         self._engine = Engine(compiled.step_fn, compiled.update_fn, self._shard_index(),
                               n_writes=len(step.input_writes))
         self._engine.streams = step.streams
+        self._engine.input_of = replica_grouping.input_rows(o)
+        self._engine.weight_groups = replica_grouping.engine_groups(compiled, grouped)
+        self._weights.grouped = tuple(grouped)
         if self._training:
             self._opt_settings, _ = update_plan(self._optimizer, ga, config.running_mean,
                                                 config.auto_loss_scaling)
@@ -431,7 +435,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         if not self._training and self._weights.stale():
             self.copyWeightsToDevice()
         di, ga, rf = self._factors()
-        inputs = host_device.send(self._inputs.layout(leaves, di, ga, rf),
+        inputs = host_device.send(self._inputs.layout(leaves, *self._input_factors()),
                                   self._weights.device)
         mode = self._output_mode
         collector = OutputCollector(mode.name, self._options.output_return_period, di, ga, rf)

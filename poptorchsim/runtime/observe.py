@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import enums
 from ..errors import Error
 from ..machine.codegen import compile_graph
-from ..machine.engine import OutputCollector
+from ..machine.call_state import OutputCollector
 
 logger = logging.getLogger("poptorchsim")
 

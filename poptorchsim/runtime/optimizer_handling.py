@@ -9,7 +9,7 @@ import torch
 
 from .. import enums
 from ..machine.batching import batched_graph, serial_reason
-from ..machine.engine import Accumulation
+from ..machine.call_state import Accumulation
 from . import compiler
 from . import optimizer_checks as opt_checks
 from . import optimizer_log

@@ -61,7 +61,7 @@ class _SimulationResults:
         (with ``sensitivity=True`` also ``estimateSensitivity()``'s rows)."""
         from .report import build_report
         self._require_compiled()
-        di, ga, rf = self._factors()
+        di, ga, rf = self._input_factors()        # the samples one call takes
         micro = self._compiled.capture.example_inputs
         batch = micro[0].shape[0] if micro and micro[0].dim() else 1
         report = build_report(self._compiled, self._model_name(), batch * di * ga * rf)

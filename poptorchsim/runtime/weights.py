@@ -21,7 +21,7 @@ import torch
 
 from .. import enums
 from ..machine import host_device
-from ..machine.engine import shard, unshard
+from ..machine.call_state import shard, unshard
 from ..machine.precision import LossScale
 from . import optimizer_state as opt_layout
 from .host_memory import keep_freed_memory
@@ -92,6 +92,7 @@ class DeviceWeights:
         self._broadcast_done = False
         self.device = torch.device("cpu")   # the host device (set when compiled)
         self.dirty = False              # the device holds weights the model lacks
+        self.grouped = ()               # replica-grouped parameters (a row per group)
 
     @property
     def apart(self):
@@ -108,7 +109,7 @@ class DeviceWeights:
 
     def _replicas(self):
         o = self.options
-        return o.replication_factor // o.input_group_size
+        return o.replication_factor
 
     def _host(self, cap):
         params = dict(self.model.named_parameters())
@@ -270,6 +271,8 @@ class DeviceWeights:
             for s, v in zip(written, slots):
                 v = unshard(v, params[n].shape) if n in c.shards else v
                 ipu_state[s.ipu_name + n] = v.detach().to("cpu", copy=True)
+            if n in self.grouped:       # a grouped weight's state: a value per group
+                step = step.expand(params[n].shape[0])
             ipu_state["Step___" + n] = step.to("cpu", copy=True)
         ipu_param = self._popart_params(c, optimizer)
         if self.state.loss_scale is not None:
@@ -327,6 +330,7 @@ class DeviceWeights:
                 self.state.opt_state[i][k] = shard(v, c.shards[n]) if n in c.shards else v
             step = saved.get("Step___" + n)
             if isinstance(step, torch.Tensor):
+                step = step.reshape(-1)[0] if step.dim() else step     # a grouped weight's
                 self.state.steps[i] = step.detach().float().clone()
         factor = saved.get("lossScaleUpdateFactor")
         if isinstance(factor, torch.Tensor) and self.state.loss_scale is not None:

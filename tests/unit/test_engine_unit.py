@@ -7,7 +7,8 @@ import torch
 
 from poptorchsim.ir.graph import AllGather, ReduceScatter, RemoteLoad, RemoteStore
 from poptorchsim.machine.codegen import compile_graph
-from poptorchsim.machine.engine import Engine, OutputCollector, shard, unshard
+from poptorchsim.machine.call_state import OutputCollector, shard, unshard
+from poptorchsim.machine.engine import Engine
 from poptorchsim.passes.locations import Location
 from poptorchsim.passes.program import build_main
 

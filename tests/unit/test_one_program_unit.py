@@ -10,7 +10,8 @@ from poptorchsim.ir.graph import Call, Sequence
 from poptorchsim.estimate import program_cost
 from poptorchsim.machine.codegen import compile_graph
 from poptorchsim.estimate.cost import OpCost
-from poptorchsim.machine.engine import Engine, OutputCollector, shard
+from poptorchsim.machine.call_state import OutputCollector, shard
+from poptorchsim.machine.engine import Engine
 from poptorchsim.estimate.targets import TEST_IPU
 from poptorchsim.passes.locations import Location
 from poptorchsim.passes.program import build_main
