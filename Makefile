@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench gpu-check tutorials clean
+.PHONY: run test lint docs bench gpu-check tutorials clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,12 +23,17 @@ run: $(STAMP)
 # slowest 25 tests are listed at the end (the suite must stay under 12 minutes); workers
 # steal queued tests from each other, so that a long test late in one queue does not
 # leave the other worker idle
-test: $(STAMP) lint
+test: $(STAMP) lint docs
 	$(BIN)/python -m pytest -q --durations=25 $$($(BIN)/python -c "import xdist" 2>/dev/null && echo "-n 2 --dist worksteal")
 
 # ruff, configured in pyproject.toml ([tool.ruff]); `make test` runs it first
 lint: $(STAMP)
 	$(BIN)/python -m ruff check poptorchsim benchmarks tests tools examples
+
+# the documentation site (mkdocs.yml) into site/, strict: a broken link within docs/ or
+# a page missing from the nav fails; `make test` builds it after the lint
+docs: $(STAMP)
+	$(BIN)/python -m mkdocs build --strict --quiet
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/mnist_training.py
@@ -47,4 +52,4 @@ gpu-check: $(STAMP)
 	$(BIN)/python benchmarks/gpu_check.py $(if $(EXAMPLES),--examples $(EXAMPLES))
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info site

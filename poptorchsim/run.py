@@ -68,9 +68,9 @@ def parse(argv):
     args.args = rest[1:]
     if args.device is not None:
         from .errors import Error
-        from .machine.host_device import _parse
+        from .machine.host_device import parse_device
         try:
-            _parse(args.device, "--device")
+            parse_device(args.device, "--device")
         except Error as e:
             p.error(str(e))
     if args.ipu_hardware is not None:

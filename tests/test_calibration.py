@@ -11,7 +11,7 @@ from torch import nn
 
 import poptorchsim
 from poptorchsim.estimate import constants as K
-from poptorchsim.estimate.cost import _exchange_cycles, _kernel_positions, op_cost
+from poptorchsim.estimate.cost import exchange_cycles, _kernel_positions, op_cost
 from poptorchsim.estimate.targets import MK2
 
 from conftest import quiet_options
@@ -67,8 +67,8 @@ def test_a_1x1_convolution_is_a_flattened_1x1_vertex():
 
 
 def test_an_exchange_pays_its_setup():
-    assert _exchange_cycles(0, MK2) == 0
-    assert _exchange_cycles(4, MK2) == pytest.approx(
+    assert exchange_cycles(0, MK2) == 0
+    assert exchange_cycles(4, MK2) == pytest.approx(
         K.EXCHANGE_SETUP_CYCLES + 4 / (4 * K.EXCHANGE_EFFICIENCY))
 
 

@@ -1,6 +1,8 @@
 """The house rules of ARCHITECTURE.md, checked on the source.
 
-Imports run downward: nothing under capture/, ir/, passes/, machine/,
+Imports run downward: each layer below the face imports only the layers
+below it (``RANK``), and no module there imports another's private names.
+Nothing under capture/, ir/, passes/, machine/,
 runtime/, profiling/ or distributed/ imports the face (the PopTorch API
 modules at the top level and their private machinery in ``_api/``), except
 its shared vocabulary (``errors``, ``enums``, ``version``).  Nothing below
@@ -104,3 +106,72 @@ def test_the_two_wings_never_import_each_other():
                     if any(f"poptorchsim.{other}" in a.name for a in node.names):
                         offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert not offenders, offenders
+
+
+# the layers below the face, bottom first: a layer imports only layers of a lower
+# rank (and the shared vocabulary); layers of one rank never import each other
+RANK = {"ir": 0, "profiling": 0, "distributed": 0, "capture": 1, "passes": 2,
+        "machine": 3, "estimate": 3, "runtime": 4}
+
+
+def _layer_imports(path, root=PACKAGE):
+    """(line, layer) for each import of another layer of the package in
+    ``path``, at module level or inside functions."""
+    depth = len(path.relative_to(root).parts) - 1
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == depth + 1:
+            top = (node.module or "").split(".")[0]
+            names = [top] if top else [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = (node.module or "").split(".")[1:2] \
+                if (node.module or "").startswith("poptorchsim.") else []
+        elif isinstance(node, ast.Import):
+            names = [a.name.split(".")[1] for a in node.names
+                     if a.name.startswith("poptorchsim.")]
+        else:
+            continue
+        found += [(node.lineno, n) for n in names if n in RANK]
+    return found
+
+
+def test_layers_import_only_the_layers_below_them():
+    offenders = []
+    for layer, rank in RANK.items():
+        for path in sorted((PACKAGE / layer).rglob("*.py")):
+            for line, other in _layer_imports(path):
+                if other != layer and RANK[other] >= rank:
+                    offenders.append(f"{path.relative_to(PACKAGE)}:{line} ({layer}) imports "
+                                     f"{other}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_order_checker_sees_an_upward_import(tmp_path):
+    (tmp_path / "passes").mkdir()
+    probe = tmp_path / "passes" / "probe.py"
+    probe.write_text("from ..ir import graph\nfrom ..machine import engine\nfrom . import lower\n"
+                     "def f():\n    from ..estimate.cost import op_cost\n"
+                     "import poptorchsim.runtime.config\n")
+    assert sorted(n for _, n in _layer_imports(probe, tmp_path)) == [
+        "estimate", "ir", "machine", "runtime"]
+
+
+# private names imported from another module below the face, and why they may be
+PRIVATE_EXEMPT = {
+    "runtime/executor.py": "the executor's mix-ins (_HostCopies, _OptimizerHandling, "
+                           "_SimulationResults), one class spread over four files",
+}
+
+
+def test_no_private_names_cross_modules_below_the_face():
+    offenders = []
+    for path in _modules():
+        name = str(path.relative_to(PACKAGE))
+        if name in PRIVATE_EXEMPT:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), name)):
+            if isinstance(node, ast.ImportFrom) and (
+                    node.level > 0 or (node.module or "").startswith("poptorchsim")):
+                offenders += [f"{name}:{node.lineno} imports {a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not offenders, "\n".join(offenders)

@@ -10,7 +10,7 @@ import torch
 from torch.fx.experimental import proxy_tensor
 
 
-def _innermost(t):
+def innermost(t):
     f = torch._C._functorch
     for _ in range(16):
         if f.is_gradtrackingtensor(t) or f.is_batchedtensor(t):
@@ -29,7 +29,7 @@ def _traced_node(tensor):
     mode = proxy_tensor.get_proxy_mode()
     if mode is None:
         return None
-    proxy = proxy_tensor.get_proxy_slot(_innermost(tensor), mode.tracer, None,
+    proxy = proxy_tensor.get_proxy_slot(innermost(tensor), mode.tracer, None,
                                         lambda slot: slot.proxy)
     return None if proxy is None else proxy.node
 

@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental import proxy_tensor
 
 from ..errors import Error
-from .annotations import _innermost
+from .annotations import innermost
 
 NOT_INPUT_ERR = ("poptorch.set_overlap_for_input applied on a node which is not a tensor "
                  "input to the model.")
@@ -29,7 +29,7 @@ def mark(tensor, kind, mode):
     tracer = proxy_tensor.get_proxy_mode()
     if tracer is None:
         return
-    proxy = proxy_tensor.get_proxy_slot(_innermost(tensor), tracer.tracer, None,
+    proxy = proxy_tensor.get_proxy_slot(innermost(tensor), tracer.tracer, None,
                                         lambda slot: slot.proxy)
     if proxy is None:
         raise Error(NOT_INPUT_ERR if kind == "input" else NOT_OUTPUT_ERR)

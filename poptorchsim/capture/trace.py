@@ -30,8 +30,8 @@ from .mixed_precision import MixedPrecision
 from .op_calls import PoptorchOpCalls
 from .weightless import explain_meta_constant, fake_meta_example
 from .trace_checks import constants_as_compiled, held_constants
-from .trace_checks import (_check_multiconvs, _drop_constant_reads, _explain_failure,
-                           _named_inputs, _user_frame, forward_signature)
+from .trace_checks import (check_multiconvs, drop_constant_reads, explain_failure,
+                           named_inputs, user_frame, forward_signature)
 
 aten = torch.ops.aten
 _tracing = threading.local()
@@ -47,7 +47,7 @@ def tracing_training():
 
 
 @contextlib.contextmanager
-def _tracing_scope(training=False):
+def tracing_scope(training=False):
     _tracing.active, _tracing.training = True, training
     try:
         yield
@@ -126,7 +126,7 @@ DATA_DEPENDENT_HELP = (
 
 def _check_inputs(module, args, kwargs):
     """Inputs no program can take, refused before tracing."""
-    for name, value in _named_inputs(module, args, kwargs):
+    for name, value in named_inputs(module, args, kwargs):
         for leaf in pytree.tree_leaves(value):
             if isinstance(leaf, torch.Tensor) and leaf.device.type == "meta":
                 raise InputError(
@@ -141,7 +141,7 @@ def _trace(fn, example, what, blocks_seen=None, stack_traces=False):
     Tensors that ``fn`` reaches other than through its arguments (attributes,
     closures) are traced as constants (fx ``get_attr`` nodes)."""
     try:
-        with _tracing_scope(what == "training step"), _blocks.recording() as entered, \
+        with tracing_scope(what == "training step"), _blocks.recording() as entered, \
                 tracing_backends():
             gm = make_fx(functionalize(fn, remove="mutations"), tracing_mode="fake",
                          decomposition_table=decompositions(), _allow_non_fake_inputs=True,
@@ -157,10 +157,10 @@ def _trace(fn, example, what, blocks_seen=None, stack_traces=False):
                 or "data is not allocated" in str(exc):     # read a fake tensor's values
             raise DataDependentError(
                 f"While tracing the {what}, forward() used the value of a tensor "
-                f"at {_user_frame(exc)} ({name}). {DATA_DEPENDENT_HELP}") from None
+                f"at {user_frame(exc)} ({name}). {DATA_DEPENDENT_HELP}") from None
         raise
-    _drop_constant_reads(gm)
-    _check_multiconvs(gm)
+    drop_constant_reads(gm)
+    check_multiconvs(gm)
     for node in gm.graph.nodes:
         if node.target in (aten._local_scalar_dense.default, aten.item.default):
             stack = node.meta.get("stack_trace", "") or ""
@@ -182,7 +182,7 @@ def _trace_model(fn, example, what, blocks, stack_traces, inputs):
     except Error:
         raise
     except Exception as exc:  # re-raised unless explained
-        explained = _explain_failure(exc, what, *inputs) or \
+        explained = explain_failure(exc, what, *inputs) or \
             explain_meta_constant(exc, inputs[0], what)
         if explained is None:
             raise

@@ -33,7 +33,7 @@ def forward_signature(module):
 _SIGNATURES = weakref.WeakKeyDictionary()
 
 
-def _user_frame(exc):
+def user_frame(exc):
     """The innermost traceback line that belongs to the user's code."""
     frames = traceback.extract_tb(exc.__traceback__)
     for frame in reversed(frames):
@@ -43,7 +43,7 @@ def _user_frame(exc):
     return "unknown location"
 
 
-def _named_inputs(module, args, kwargs):
+def named_inputs(module, args, kwargs):
     """``(name, value)`` of each input, named after ``forward``'s parameters."""
     sig = forward_signature(module)
     names = [p.name for p in sig.parameters.values()
@@ -58,16 +58,16 @@ _INDEX_TYPE = ("for index, but got torch.float", "expected scalar type Long",
                "Expected floating point type for target with class probabilities")
 
 
-def _explain_failure(exc, what, module, args, kwargs):
+def explain_failure(exc, what, module, args, kwargs):
     """A typed error naming the cause and the fix of a common mistake behind
     ``exc``, an exception forward() raised while traced; None otherwise."""
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    inputs = list(_named_inputs(module, args, kwargs))
+    inputs = list(named_inputs(module, args, kwargs))
     if any(text in str(exc) for text in _INDEX_TYPE):
         floats = [n for n, v in inputs if isinstance(v, torch.Tensor)
                   and v.dtype.is_floating_point]
         return DtypeError(
-            f"While tracing the {what}, the operation at {_user_frame(exc)} needs "
+            f"While tracing the {what}, the operation at {user_frame(exc)} needs "
             f"integer class labels or indices but got a floating-point tensor ({message}). "
             "Class labels of CrossEntropyLoss and NLLLoss, and indices of embeddings and "
             "gather, must be int64: convert them with .long()"
@@ -79,13 +79,13 @@ def _explain_failure(exc, what, module, args, kwargs):
     if lists:
         return InputError(
             f"While tracing the {what}, forward() raised {type(exc).__name__} at "
-            f"{_user_frame(exc)} ({message}); its input {', '.join(lists)} is a Python "
+            f"{user_frame(exc)} ({message}); its input {', '.join(lists)} is a Python "
             "list of numbers, which the program compiles in as constants, not a tensor. "
             "Pass torch.tensor(...) for data that forward() computes with.")
     return None
 
 
-def _check_multiconvs(gm):
+def check_multiconvs(gm):
     """A ``MultiConv`` scope must hold a convolution (PopTorch's text)."""
     groups, with_conv = {}, set()
     for node in gm.graph.nodes:
@@ -118,7 +118,7 @@ def _constant_ancestors(node):
     return seen
 
 
-def _drop_constant_reads(gm):
+def drop_constant_reads(gm):
     """``.item()`` (a slice bound, an index) of a tensor that forward() holds
     as a constant was read at trace time and its value compiled in, as
     PopTorch does; the read and the constant arithmetic leading to it leave

@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import update_rules as _opt
-from .trace import _tracing_scope
+from .trace import tracing_scope
 from .weightless import fake_meta_example
 
 aten = torch.ops.aten
@@ -125,7 +125,7 @@ def capture_update(plan, layouts, n_groups, unit_scale=False, traces=None):
         [torch.zeros((), dtype=torch.float64) for _ in range(n_g)],
         torch.ones((), dtype=torch.float32),
     )
-    with _tracing_scope():
+    with tracing_scope():
         return _cast_scalars_once(make_fx(update, tracing_mode="fake")(
             *fake_meta_example(example)))
 
@@ -186,7 +186,7 @@ def _update_by_parameter(plan, layouts, n_groups, unit_scale, traces):
     kinds = {}
     for layout in dict.fromkeys(layouts):
         kinds.setdefault(_replace_shape(layout, None), []).append(layout)
-    with _tracing_scope():
+    with tracing_scope():
         for kind, members in kinds.items():
             # [graph, the shape it was traced at, whether it holds for every shape]
             known = traces.setdefault(("kind", plan, unit_scale, kind), [None, None, None])

@@ -54,7 +54,7 @@ def _vector_rate(target):
     return target.vector_bytes / K.CYCLES_PER_VECTOR
 
 
-def _exchange_cycles(nbytes, target):
+def exchange_cycles(nbytes, target):
     """An exchange of ``nbytes`` to the busiest tile: its fixed set-up
     (``EXCHANGE_SETUP_CYCLES``) and the bytes at the effective rate."""
     if nbytes <= 0:
@@ -182,7 +182,7 @@ def op_cost(op, target, amp=0.6):
                 moved += out_max
             elif m is not None and t.nbytes < outs[0].nbytes:
                 moved += min(t.nbytes, out_max)           # broadcast operand
-        cost.exchange = _exchange_cycles(moved, target)
+        cost.exchange = exchange_cycles(moved, target)
         return cost
 
     if cls == "custom":
@@ -200,14 +200,14 @@ def op_cost(op, target, amp=0.6):
                   "loss": K.SOFTMAX_PASSES, "norm": K.NORM_PASSES}[cls]
         cost.compute = passes * spread_in / _vector_rate(target) + 2 * K.VERTEX_OVERHEAD
         partials = min(in_bytes, tiles * item * max(1, sum(t.numel for t in outs) // tiles + 1))
-        cost.exchange = _exchange_cycles(partials / max(1, outs[0].mapping.n_tiles)
+        cost.exchange = exchange_cycles(partials / max(1, outs[0].mapping.n_tiles)
                                          + out_max, target)
         cost.sync = 2 * sync
         cost.flops = passes * sum(t.numel for t in ins)
         return cost
 
     # copies and rearrangements: data moves over the exchange
-    cost.exchange = _exchange_cycles(out_max, target)
+    cost.exchange = exchange_cycles(out_max, target)
     cost.compute = out_max / _vector_rate(target) + K.VERTEX_OVERHEAD
     return cost
 
@@ -295,7 +295,7 @@ def _combine(op, parts, target, taken=None):
         n, body = op.attrs["count"], totals["body"]
         carried = sum(float(t.mapping.max_bytes()) for t in op.outputs if t is not None)
         return OpCost(compute=n * (body["compute"] + K.VERTEX_OVERHEAD),
-                      exchange=n * (body["exchange"] + _exchange_cycles(carried, target)),
+                      exchange=n * (body["exchange"] + exchange_cycles(carried, target)),
                       sync=n * (body["sync"] + sync), host=n * body["host"],
                       macs=n * body["macs"], flops=n * body["flops"], parts=parts)
     if taken and sum(taken):
@@ -305,7 +305,7 @@ def _combine(op, parts, target, taken=None):
         weights = {name: float(name == longest) for name in totals}
     paid = {k: sum(weights[name] * totals[name][k] for name in totals) for k in _KINDS}
     return OpCost(compute=paid["compute"] + K.VERTEX_OVERHEAD,
-                  exchange=paid["exchange"] + _exchange_cycles(4, target),
+                  exchange=paid["exchange"] + exchange_cycles(4, target),
                   sync=paid["sync"] + sync, host=paid["host"], macs=int(paid["macs"]),
                   flops=int(paid["flops"]), parts=parts)
 
@@ -338,7 +338,7 @@ def _custom_cost(op, target, outs, out_bytes, cost):
         m = t.mapping
         if m is not None and (m.start, m.n_tiles) != home:
             moved += min(float(m.max_bytes()), float(out_bytes.max()))
-    cost.exchange = _exchange_cycles(moved, target)
+    cost.exchange = exchange_cycles(moved, target)
     cost.temp_bytes = share * declared.temporary_bytes(*shapes)
     cost.flops = sum(t.numel for t in outs)
     return cost
@@ -351,7 +351,7 @@ def _gather_cost(op, target, outs, out_max, item, cost):
     64-bit vector) per ``CYCLES_PER_VECTOR`` cycles."""
     ints = [t for t in op.input_tensors() if not t.dtype.is_floating_point]
     index_bytes = max((t.mapping.max_bytes() for t in ints), default=0)
-    cost.exchange = _exchange_cycles(out_max + index_bytes, target)
+    cost.exchange = exchange_cycles(out_max + index_bytes, target)
     cost.compute = out_max * K.CYCLES_PER_VECTOR / item + K.VERTEX_OVERHEAD
     cost.sync = 2 * target.sync_cycles           # exchange indices, then rows
     return cost
@@ -376,7 +376,7 @@ def _sort_cost(op, target, outs, cost):
     spread = max(1, data.mapping.n_tiles)
     remote = min(rounds, int(np.ceil(np.log2(spread))) * (r + 1) // 2) if spread > 1 else 0
     cost.compute = rounds * (per_tile / _vector_rate(target) + K.VERTEX_OVERHEAD)
-    cost.exchange = remote * _exchange_cycles(per_tile, target)
+    cost.exchange = remote * exchange_cycles(per_tile, target)
     cost.sync = (1 + remote) * target.sync_cycles
     cost.flops = rounds * data.numel
     return cost
@@ -486,13 +486,13 @@ def _matmul_on_tiles(macs, k_ch, o_ch, operand_bytes, out_elems, item, extra, ta
     cost.macs, cost.flops = macs, 2 * macs
     cost.compute = (macs / p / rate + K.VERTEX_OVERHEAD * extra
                     + serial * _vertex_cycles(positions, k_ch, o_ch, p))
-    cost.exchange = _exchange_cycles(recv, target)
+    cost.exchange = exchange_cycles(recv, target)
     cost.sync = target.sync_cycles * (serial + extra)
     temp = np.zeros(tiles)
     temp[:p] = recv / serial
     if r > 1:
         partial_bytes = out_elems * (partial_item or item) / p_out * r
-        cost.exchange += _exchange_cycles(partial_bytes, target)
+        cost.exchange += exchange_cycles(partial_bytes, target)
         cost.compute += partial_bytes / _vector_rate(target) + K.VERTEX_OVERHEAD
         cost.sync += target.sync_cycles
         # each tile holds its partial sums of its outputs until they are reduced
@@ -601,7 +601,7 @@ def _planned(op, passes, target, amp, outs, item, cost):
         if p.pass_name == "bwd":
             w = p.groups * p.cin * p.cout * p.kh * p.kw * p.in_bytes / target.tiles
             cost.compute += w / _vector_rate(target) + K.VERTEX_OVERHEAD
-            cost.exchange += _exchange_cycles(w, target)
+            cost.exchange += exchange_cycles(w, target)
             cost.sync += target.sync_cycles
     if op.target.overloadpacket.__name__ in ("addmm", "baddbmm", "addmv"):
         out_max = float(max(t.mapping.max_bytes() for t in outs))

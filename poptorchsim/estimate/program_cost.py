@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..ir.graph import Call, Repeat, Sequence
+from ..ir.visitor import StepVisitor
 from ..passes.pipeline import schedule
 from . import constants as K
-from .cost import _exchange_cycles, op_cost
+from .cost import exchange_cycles, op_cost
 
 KINDS = ("compute", "exchange", "sync", "host")      # an op's cycles (host: host ops' trips)
 
@@ -117,8 +118,11 @@ class _Charges:
     schedule: object = None
 
 
-class _Walk:
+class _Walk(StepVisitor):
+    """The estimate's walk: each control step charged by its kind's rule."""
+
     def __init__(self, program, costs, target):
+        super().__init__()
         self.program, self.costs, self.target = program, costs, target
         self.training = program.kind == "training"
         self.model = program.graphs[program.model_graph]
@@ -132,8 +136,7 @@ class _Walk:
 
     def step(self, step, times):
         """Charges ``step``, run ``times`` times."""
-        rule = getattr(self, "_" + type(step).__name__)
-        rule(step, times)
+        self.visit(step, times)
 
     def _Sequence(self, step, times):
         for s in step.steps:
@@ -202,7 +205,7 @@ class _Walk:
             # then crosses the exchange from IO to compute tiles
             self.charges.through_io += streaming_cycles(
                 nbytes * times, step.transfers * times, program, target)
-            self.charge("streaming", times * _exchange_cycles(
+            self.charge("streaming", times * exchange_cycles(
                 nbytes / max(target.io_tiles, 1), target))
         else:
             self.charge("streaming", streaming_cycles(

@@ -40,12 +40,12 @@ The graphs themselves run as generated Python (``codegen.compile_graph``).
 """
 import torch
 
-from ..ir.graph import STEP_KINDS
+from ..ir.visitor import StepVisitor
 from . import replica_groups
 from .call_state import Update, shard, unshard
 
 
-class Engine:
+class Engine(StepVisitor):
     """Device state, and the walk over a program's control steps that runs a
     call on it.  ``step_fn`` runs the model's graph (the training step or the
     inference forward), ``update_fn`` the optimizer update."""
@@ -79,8 +79,7 @@ class Engine:
         # weight each replica holds (replica_groups.py)
         self.input_of = None
         self.weight_groups = {}
-        # the rule for each kind of control step (a subclass may override one)
-        self._rules = {kind: getattr(self, "_" + kind.__name__) for kind in STEP_KINDS}
+        super().__init__()          # a rule for each kind of control step (StepVisitor)
 
     def run(self, program, state, inputs, collector):
         """One call of ``program`` on ``state`` (params, buffers per replica;
@@ -106,7 +105,7 @@ class Engine:
         return collector.result()
 
     def _walk(self, step):
-        self._rules[type(step)](step)
+        self.visit(step)
 
     # -- control -----------------------------------------------------------------
     def _Sequence(self, step):

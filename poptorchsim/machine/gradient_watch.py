@@ -6,7 +6,7 @@ from torch._C import _functorch as _ft
 
 from .half_partials import half_partials_kernel, uses_half_partials
 from .precision import ROUNDS_LIKE_FP32, SLOW_IN_HALF, rounds_stochastically
-from .rounding import HALF, _widen_all, result_stream
+from .rounding import HALF, widen_all, result_stream
 
 
 # |x| boundaries of what rounding to nearest fp16 does to an fp32 value x:
@@ -109,8 +109,8 @@ class GradientWatch:
             if (same or exact) and not self.counting:   # half partials: the reference
                 return kernel(*args, **kwargs)          # only serves the counting
             wide = reference(*[a.float() if isinstance(a, torch.Tensor) and a.dtype == HALF
-                               else _widen_all(a) for a in args],
-                             **({k: _widen_all(v) for k, v in kwargs.items()} if kwargs else {}))
+                               else widen_all(a) for a in args],
+                             **({k: widen_all(v) for k, v in kwargs.items()} if kwargs else {}))
             if exact:
                 out = kernel(*args, **kwargs)
             elif to_half and isinstance(wide, torch.Tensor):

@@ -31,7 +31,7 @@ ENV = "POPTORCHSIM_DEVICE"
 _chosen = None          # setHostDevice's choice (a torch.device), or None
 
 
-def _parse(device, source):
+def parse_device(device, source):
     """``device`` as a ``torch.device`` the host can compute on, or a clear
     error naming ``source`` (where the choice was made)."""
     try:
@@ -59,7 +59,7 @@ def choose(device):
     """``poptorchsim.setHostDevice``: the host device of executables
     compiled from now on (None: back to the environment's or the CPU)."""
     global _chosen
-    _chosen = None if device is None else _parse(device, "setHostDevice")
+    _chosen = None if device is None else parse_device(device, "setHostDevice")
 
 
 def current():
@@ -68,7 +68,7 @@ def current():
         return _chosen
     env = os.environ.get(ENV, "").strip()
     if env:
-        return _parse(env, f"{ENV}={env}")
+        return parse_device(env, f"{ENV}={env}")
     return torch.device("cpu")
 
 

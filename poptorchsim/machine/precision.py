@@ -30,7 +30,7 @@ import torch
 from .half_partials import (HALF_PARTIALS, PARTIALS_CHUNK, SLICE_CHUNKS,  # noqa: F401 - re-exported
                             half_partials_kernel, half_partials_mm, mark_partials,
                             uses_half_partials)
-from .rounding import (HALF, Rounding, _has_half, _widen_all,  # noqa: F401 - re-exported
+from .rounding import (HALF, Rounding, has_half, widen_all,  # noqa: F401 - re-exported
                        stochastic_round, with_stochastic_rounding)
 
 aten = torch.ops.aten
@@ -74,9 +74,9 @@ def in_fp32(kernel, out_dtypes):
     """``kernel`` computed on fp16 operands widened to fp32, its results
     rounded to nearest in the dtypes the trace gave them."""
     def run(*args, **kwargs):
-        if not _has_half((args, kwargs)):
+        if not has_half((args, kwargs)):
             return kernel(*args, **kwargs)
-        wide = kernel(*_widen_all(args), **{k: _widen_all(v) for k, v in kwargs.items()})
+        wide = kernel(*widen_all(args), **{k: widen_all(v) for k, v in kwargs.items()})
         if isinstance(wide, torch.Tensor):
             return wide.to(out_dtypes[0]) if out_dtypes[0] is not None else wide
         return type(wide)(w.to(d) if isinstance(w, torch.Tensor) and d is not None else w

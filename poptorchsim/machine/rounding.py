@@ -212,13 +212,13 @@ def result_stream(stream, j):
     return int(stream) * 8 + j
 
 
-def _widen_all(x):
+def widen_all(x):
     """``_widen`` over the arguments of an op (tensors, dtypes, lists and
     tuples of them, scalars), without pytree's generality."""
     if isinstance(x, torch.Tensor):
         return x.float() if x.dtype == HALF else x
     if isinstance(x, (list, tuple)):
-        return type(x)(_widen_all(y) for y in x)
+        return type(x)(widen_all(y) for y in x)
     return torch.float32 if x is HALF else x
 
 
@@ -239,7 +239,7 @@ def _dtypes_of(x, out):
     return out
 
 
-def _has_half(tree):
+def has_half(tree):
     return HALF in _dtypes_of(tree, [])
 
 
@@ -286,7 +286,7 @@ def with_stochastic_rounding(kernel, out_dtypes, rounding, into=False, stream=0,
         want = out_dtypes if traced else dtypes(key, args, kwargs)
         if HALF not in want:
             return exact(args, kwargs)
-        full = kernel(*_widen_all(args), **{k: _widen_all(v) for k, v in kwargs.items()})
+        full = kernel(*widen_all(args), **{k: widen_all(v) for k, v in kwargs.items()})
         if isinstance(full, torch.Tensor):
             result = rounding.round(full, result_stream(stream, 0), wide) if want[0] == HALF \
                 else full.to(want[0])

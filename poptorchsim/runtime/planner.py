@@ -12,7 +12,7 @@ what the report of that configuration would say, in the same units (the
 peak tile of every IPU, cycles of the machine model).
 
 It is fast because the model is traced once per micro-batch, with every
-candidate layer (a "unit": ``autosplit._layers``) its own block; a layer
+candidate layer (a "unit": ``units_of``) its own block; a layer
 split is then a placement of those blocks (no new trace), and the
 optimizer's update rules are traced once for all configurations.  Each
 configuration re-runs only lowering, placement, tile mapping, costs, the
@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from ..capture import blocks as _blocks
 from ..errors import Error
 from . import compiler
-from .autosplit import _partition
+from .split import OneStagePerBlock, partition
 from .config import CompileConfig
 from .plan_result import Configuration, Evaluated, PlanResult  # the planner's API
 
@@ -180,8 +180,7 @@ class Planner:
         its variables (weights, gradients, optimizer state) and activations."""
         if micro in self._costs:
             return self._costs[micro]
-        from .autosplit import _OneStagePerBlock
-        compiled = self._compile(replace(self.base, placement=_OneStagePerBlock(),
+        compiled = self._compile(replace(self.base, placement=OneStagePerBlock(),
                                          replicas=1, accumulation=1), micro)
         blocks = list(dict.fromkeys(b for b, _ in compiled.capture.blocks))
         stage_of = {b: i for i, b in enumerate(blocks)}
@@ -219,7 +218,7 @@ class Planner:
             return []
         cycles, nbytes = self.unit_costs(micro)
         capacity = self.base.target.total_bytes
-        out = [tuple(ipu for ipu, g in enumerate(_partition(cycles, nbytes, k, capacity))
+        out = [tuple(ipu for ipu, g in enumerate(partition(cycles, nbytes, k, capacity))
                      for _ in g)]
         first, last = (min(self.repeated), max(self.repeated)) if self.repeated else (0, n - 1)
         middle = list(range(first, last + 1))
@@ -229,7 +228,7 @@ class Planner:
             best = None
             for j in range(0, len(middle) - (k - 1) + 1):
                 rest = middle[j:]
-                groups = _partition([cycles[i] for i in rest], [nbytes[i] for i in rest],
+                groups = partition([cycles[i] for i in rest], [nbytes[i] for i in rest],
                                     k - 1, capacity)
                 load = max([end_cycles + sum(cycles[i] for i in middle[:j])]
                            + [sum(cycles[rest[i]] for i in g) for g in groups])

@@ -168,7 +168,7 @@ def _update_by_layout(plan, layouts, n_groups, unit_scale):
             return p_new, s_new, step
         return update
     traced = {}
-    with capture_trace._tracing_scope():
+    with capture_trace.tracing_scope():
         for layout in dict.fromkeys(layouts):
             example = update_capture._example(layout) + (
                 [torch.zeros((), dtype=torch.float64) for _ in range(n_h)],
