@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint docs bench gpu-check tutorials clean
+.PHONY: run test lint typecheck docs bench gpu-check tutorials clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,12 +23,16 @@ run: $(STAMP)
 # slowest 25 tests are listed at the end (the suite must stay under 12 minutes); workers
 # steal queued tests from each other, so that a long test late in one queue does not
 # leave the other worker idle
-test: $(STAMP) lint docs
+test: $(STAMP) lint typecheck docs
 	$(BIN)/python -m pytest -q --durations=25 $$($(BIN)/python -c "import xdist" 2>/dev/null && echo "-n 2 --dist worksteal")
 
 # ruff, configured in pyproject.toml ([tool.ruff]); `make test` runs it first
 lint: $(STAMP)
 	$(BIN)/python -m ruff check poptorchsim benchmarks tests tools examples
+
+# mypy over the IR, the passes, the estimate and the engine ([tool.mypy] in pyproject.toml)
+typecheck: $(STAMP)
+	$(BIN)/python -m mypy
 
 # the documentation site (mkdocs.yml) into site/, strict: a broken link within docs/ or
 # a page missing from the nav fails; `make test` builds it after the lint

@@ -22,6 +22,7 @@ poplibs paths refer to github.com/graphcore/poplibs (mk2-main).
 import contextlib
 import sys
 from dataclasses import dataclass, replace
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,15 @@ class Constant:
     field: str = ""     # a Target field: varied on the target, not here
 
 
-REGISTRY = {}
+REGISTRY: dict = {}
 _module = sys.modules[__name__]
+
+
+def __getattr__(name: str) -> Any:
+    """Only for names no ``_constant`` set (those are module attributes): an
+    AttributeError.  Declared so that type checkers know the module's
+    constants exist (they are set with ``setattr``)."""
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _constant(name, value, unit, kind, source, field=""):

@@ -26,6 +26,7 @@ supersteps, of the slowest tile.
 """
 from dataclasses import dataclass
 from dataclasses import replace as _replace
+from typing import Optional
 
 import numpy as np
 
@@ -71,7 +72,7 @@ class OpCost:
     temp_bytes: object = 0      # temporary bytes per tile (array or 0)
     macs: int = 0
     flops: int = 0
-    parts: dict = None          # a loop's or conditional's sub-graphs: name -> [OpCost]
+    parts: Optional[dict] = None    # a loop's or conditional's sub-graphs: name -> [OpCost]
     host: float = 0.0           # cycles the device waits on the host (host ops)
     plan: str = ""              # a convolution's or matmul's plan (``conv_plan.Plan.describe``)
 

@@ -30,6 +30,7 @@ class CustomCost:
             total = float(self.cycles(input_shapes, output_shapes))
         else:
             elements = sum(_numel(s) for s in output_shapes)
+            assert self.cycles_per_element is not None, "a cost needs cycles or a rate"
             total = float(self.cycles_per_element) * elements
         return total * self.scale
 
@@ -45,7 +46,7 @@ def _numel(shape):
     return n
 
 
-COSTS = {}          # op name in CUSTOM_NAMESPACE (forward and "_grad") -> CustomCost
+COSTS: dict = {}    # op name in CUSTOM_NAMESPACE (forward and "_grad") -> CustomCost
 
 
 def cost_of(target):

@@ -15,15 +15,16 @@ Text forms come from ``ir.printer``, which registers its formatters in
 ``FORMATTERS`` (the printer imports this module, never the reverse).
 """
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-FORMATTERS = {}      # "graph" / "program" -> function(obj) -> str (ir.printer)
+from .kinds import CostClass, Counter, Phased, ProgramKind, Role
+
+FORMATTERS: dict = {}    # "graph" / "program" -> function(obj) -> str (ir.printer)
 
 # Roles a tensor plays; the first group is always live on the device.
-ALWAYS_LIVE_ROLES = ("param", "buffer", "state", "hyper", "accumulator", "const")
-ROLES = ALWAYS_LIVE_ROLES + ("input", "activation")
+ROLES = tuple(Role)
 
 
 @dataclass(eq=False)
@@ -32,34 +33,37 @@ class Tensor:
     name: str
     shape: tuple
     dtype: torch.dtype
-    role: str = "activation"
+    role: Role = Role.ACTIVATION
     producer: Optional["Op"] = None
     value: Optional[torch.Tensor] = None     # constants only
     mapping: Any = None               # passes.tile_mapping.TileMapping (tile mapping)
 
+    def __post_init__(self) -> None:
+        self.role = Role(self.role)
+
     @property
-    def numel(self):
+    def numel(self) -> int:
         n = 1
         for s in self.shape:
             n *= int(s)
         return n
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         return self.numel * _itemsize(self.dtype)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"%{self.name}"
 
 
-def _itemsize(dtype):
+def _itemsize(dtype: torch.dtype) -> int:
     size = _ITEMSIZE.get(dtype)
     if size is None:
         size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
     return size
 
 
-_ITEMSIZE = {}          # dtype -> bytes of one element
+_ITEMSIZE: dict[torch.dtype, int] = {}      # dtype -> bytes of one element
 
 
 @dataclass(eq=False)
@@ -70,7 +74,7 @@ class Op:
     args: tuple                      # pytree of Tensors and constants
     kwargs: dict
     outputs: list                    # Tensors (None where the op returns none)
-    cost_class: str
+    cost_class: Optional[CostClass]  # None only while lowering refuses the op
     multi_output: bool = False
     available_memory: Optional[float] = None   # set_available_memory on this op
     block: Optional[tuple] = None     # (user_id, ipu_id) the forward op was traced in
@@ -98,21 +102,25 @@ class Op:
     # input_tensors' answer for the args and kwargs objects it was found in
     _inputs: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
 
-    def input_tensors(self):
+    def __post_init__(self) -> None:
+        if self.cost_class is not None:
+            self.cost_class = CostClass(self.cost_class)
+
+    def input_tensors(self) -> list["Tensor"]:
         """The Tensors among the op's arguments, in order.  Passes read it
         many times: it is kept while ``args`` and ``kwargs`` are the same
         objects (a pass that rewrites an op's arguments assigns new ones)."""
         cached = self._inputs
         if cached is not None and cached[0] is self.args and cached[1] is self.kwargs:
             return list(cached[2])
-        found = []
+        found: list[Tensor] = []
         _collect(self.args, found)
         _collect(self.kwargs, found)
         self._inputs = (self.args, self.kwargs, tuple(found))
         return found
 
 
-def _collect(x, found):
+def _collect(x: Any, found: list[Tensor]) -> None:
     """The Tensors in ``x`` (nested lists, tuples and dicts), in order."""
     if isinstance(x, dict):
         x = x.values()
@@ -127,7 +135,7 @@ def _collect(x, found):
             _collect(y, found)
 
 
-def subgraph_inputs(op, name):
+def subgraph_inputs(op: Op, name: str) -> list[Tensor]:
     """The tensors of the enclosing graph that sub-graph ``name`` of ``op``
     receives as its inputs, in order: a loop's carried values then the
     tensors its body reads (``args = (carried, read)``); a conditional's
@@ -138,7 +146,7 @@ def subgraph_inputs(op, name):
     return list(op.args[1] if name == "then" else op.args[2])
 
 
-def all_ops(graph):
+def all_ops(graph: "Graph") -> Iterator[Op]:
     """The ops of ``graph`` and of every sub-graph they hold, depth first."""
     for op in graph.ops:
         yield op
@@ -166,13 +174,15 @@ class Graph:
     streams: Any = None                      # machine.streams.Streams (random numbers)
     floating_point_checks: bool = False      # enableFloatingPointExceptions
 
-    def new_tensor(self, name, shape, dtype, role="activation", producer=None, value=None):
-        t = Tensor(len(self.tensors), name, tuple(int(s) for s in shape), dtype, role,
+    def new_tensor(self, name: str, shape: Iterable[int], dtype: torch.dtype,
+                   role: str = Role.ACTIVATION, producer: Optional[Op] = None,
+                   value: Optional[torch.Tensor] = None) -> Tensor:
+        t = Tensor(len(self.tensors), name, tuple(int(s) for s in shape), dtype, Role(role),
                    producer, value)
         self.tensors.append(t)
         return t
 
-    def __str__(self):
+    def __str__(self) -> str:
         return FORMATTERS["graph"](self)
 
 
@@ -191,7 +201,10 @@ class Sequence(Step):
 class Repeat(Step):
     count: int
     body: Step
-    counter: str                      # "device_iteration" or "accumulation"
+    counter: Counter
+
+    def __post_init__(self) -> None:
+        self.counter = Counter(self.counter)
 
 
 @dataclass(eq=False)
@@ -248,7 +261,7 @@ class _Remote(Step):
     transfers: Optional[int] = None   # separate copies (default: one per variable)
     phased: bool = False              # phased execution's traffic (per phase)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.transfers is None:
             self.transfers = len(self.names)
 
@@ -265,7 +278,7 @@ class RemoteStore(_Remote):
 
 @dataclass(eq=False)
 class Program:
-    kind: str                         # "training" or "inference"
+    kind: ProgramKind
     graphs: dict                      # name -> Graph
     main: Optional[Step] = None       # the control program (passes/program.build_main)
     replicas: int = 1
@@ -287,21 +300,25 @@ class Program:
     variables: dict = field(default_factory=dict)   # device variable name -> Tensor (tile mapping)
     locations: dict = field(default_factory=dict)   # variable -> passes.locations.Location
     sharded_state: set = field(default_factory=set)  # params whose optimizer state is sharded
-    phased: str = ""                  # "serial" or "parallel" phased execution
-    phase_of_stage: list = None       # phase of each stage (phased execution)
+    phased: Phased = Phased.NONE      # phased execution
+    phase_of_stage: Optional[list] = None       # phase of each stage (phased execution)
     activations_off_chip: bool = False   # phased: activations wait in Streaming Memory
 
+    def __post_init__(self) -> None:
+        self.kind = ProgramKind(self.kind)
+        self.phased = Phased(self.phased)
+
     @property
-    def model_graph(self):
+    def model_graph(self) -> str:
         """The name of the graph that runs the model (once per micro-batch)."""
         return "training_step" if self.kind == "training" else "inference_forward"
 
     @property
-    def total_replicas(self):
+    def total_replicas(self) -> int:
         """Replicas in all processes together."""
         return self.replicas * self.processes
 
-    def __str__(self):
+    def __str__(self) -> str:
         return FORMATTERS["program"](self)
 
 

@@ -40,6 +40,7 @@ ops views, and any other op that produces tensors is a copy (data moved,
 touched once).  Nothing with tensor results is left without a cost.
 """
 import functools
+from typing import Any, Optional
 
 import torch
 
@@ -143,18 +144,18 @@ class ControlFlow:
 LOOP = ControlFlow("for_loop")
 COND = ControlFlow("cond")
 
-COST_CLASS = {}
+COST_CLASS: dict[str, str] = {}
 for _cls, _names in _CLASSES.items():
-    for _name in _names.split():
-        COST_CLASS.setdefault(_name, _cls)
+    for _op in _names.split():
+        COST_CLASS.setdefault(_op, _cls)
 # poptorchsim's own ops whose kernels run on the host (capture/host_ops.py)
 HOST_OP_NAMES = ("ipu_print_tensor", "host_call")
 COST_CLASS.update(dict.fromkeys(HOST_OP_NAMES, "host"))
 
 
-def _name(target):
+def _name(target: Any) -> str:
     packet = getattr(target, "overloadpacket", None)
-    return getattr(packet, "__name__", None) or getattr(target, "__name__", str(target))
+    return str(getattr(packet, "__name__", None) or getattr(target, "__name__", target))
 
 
 # torch.Tag.inplace came with torch 2.12; before it the schema says the same: the
@@ -176,7 +177,7 @@ def _inplace_by_schema(target):
             and f"{name}.{target._overloadname}" not in _UNTAGGED_INPLACE)
 
 
-def is_inplace(target):
+def is_inplace(target: Any) -> bool:
     """An ATen operation that writes into its first argument (``add_``,
     ``squeeze_``): capture leaves these only where a decomposition made them
     on tensors of its own, and the engine runs them in place."""
@@ -188,17 +189,17 @@ def is_inplace(target):
     return _inplace_by_schema(target)
 
 
-def is_native(target):
+def is_native(target: Any) -> bool:
     """Lowered as it is (never decomposed): core ATen or named above."""
     if not isinstance(target, torch._ops.OpOverload):
         return False
     return torch.Tag.core in target.tags or _name(target) in COST_CLASS
 
 
-def _returns_alias(target):
+def _returns_alias(target: Any) -> bool:
     schema = getattr(target, "_schema", None)
-    return bool(schema) and any(r.alias_info is not None and not r.alias_info.is_write
-                                for r in schema.returns)
+    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write
+                                      for r in schema.returns)
 
 
 # poptorchsim's own library ops that reach the IR (``capture.custom_ops``):
@@ -216,7 +217,7 @@ _NO_IPU_KERNEL = """_linalg_svd linalg_svd svd linalg_eig _linalg_eig linalg_eig
     ormqr""".split()
 
 
-def unsupported_reason(target):
+def unsupported_reason(target: Any) -> Optional[str]:
     """Why ``target`` cannot be lowered, or None when it can."""
     name = _name(target)
     if name in _NO_IPU_KERNEL:
@@ -229,7 +230,7 @@ def unsupported_reason(target):
 
 
 @functools.lru_cache(maxsize=None)
-def cost_class(target):
+def cost_class(target: Any) -> Optional[str]:
     """The cost class of an ATen overload, or None when it cannot be lowered
     (not an ATen operation, or one PyTorch gives a dynamic output shape)."""
     name = _name(target)

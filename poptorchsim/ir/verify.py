@@ -3,13 +3,16 @@ assignment), a program's declared fields and control steps.  Passes call
 ``verify_graph``; with ``runtime.compiler.VERIFY_EACH_PASS`` the compiler
 calls ``verify_program`` after every pass."""
 from dataclasses import fields
+from typing import Any
 
 from ..errors import Error
-from .graph import (ROLES, AllGather, AllReduce, Call, DeviceToHost, HostToDevice,
-                    ReduceScatter, RemoteLoad, RemoteStore, Repeat, Sequence, all_ops)
+from .kinds import CostClass, Phased, ProgramKind, Role
+from .graph import (ROLES, AllGather, AllReduce, Call, DeviceToHost, Graph, HostToDevice,
+                    Program, ReduceScatter, RemoteLoad, RemoteStore, Repeat, Sequence, Step,
+                    all_ops)
 
 
-def verify_graph(graph):
+def verify_graph(graph: Graph) -> Graph:
     defined = set()
     for t in graph.inputs:
         if t.role not in ROLES:
@@ -48,7 +51,7 @@ def verify_graph(graph):
     return graph
 
 
-def _declared(obj, what):
+def _declared(obj: Any, what: str) -> None:
     """Raises when a pass set an attribute ``obj``'s class does not declare."""
     extra = set(vars(obj)) - {f.name for f in fields(obj)}
     if extra:
@@ -56,10 +59,13 @@ def _declared(obj, what):
                     f"declare them as fields of {type(obj).__name__} (ir/graph.py)")
 
 
-def _check_graph_fields(graph, program, after):
+def _check_graph_fields(graph: Graph, program: Program, after: str) -> None:
     _declared(graph, f"graph {graph.name}")
     for t in graph.tensors:
         _declared(t, f"%{t.name}")
+        if not isinstance(t.role, Role):
+            raise Error(f"IR verifier (after {after}): %{t.name} has role {t.role!r}, not a "
+                        "Role (ir/kinds.py)")
     mapped = bool(program.variables)
     for t in graph.inputs:
         if mapped and t.mapping is None:
@@ -67,6 +73,9 @@ def _check_graph_fields(graph, program, after):
                         "has no tile mapping")
     for op in all_ops(graph):
         _declared(op, op.name)
+        if not isinstance(op.cost_class, CostClass):
+            raise Error(f"IR verifier (after {after}): {op.name} has cost class "
+                        f"{op.cost_class!r}, not a CostClass (ir/kinds.py)")
         if not 0 <= op.stage < max(program.n_stages, 1):
             raise Error(f"IR verifier (after {after}): {op.name} is in stage {op.stage} of a "
                         f"program with {program.n_stages} stage(s)")
@@ -82,7 +91,7 @@ def _check_graph_fields(graph, program, after):
 _COUNTS = {"device_iteration": "device_iterations", "accumulation": "accumulation"}
 
 
-def _check_steps(step, program, after):
+def _check_steps(step: Step, program: Program, after: str) -> None:
     where = f"IR verifier (after {after}): control program"
     if isinstance(step, Sequence):
         for s in step.steps:
@@ -108,13 +117,16 @@ def _check_steps(step, program, after):
         raise Error(f"{where}: unknown step {type(step).__name__}")
 
 
-def verify_program(program, after="?"):
+def verify_program(program: Program, after: str = "?") -> Program:
     """Checks a program after the pass ``after``: its graphs well formed,
     every attribute a pass set declared (``Tensor``, ``Op``, ``Graph``,
     ``Program``), stages and IPUs in range, and the control program (when
     built) made of known steps that call the program's own graphs, with
     loop counts and replica counts as the program says."""
     _declared(program, "the program")
+    if not isinstance(program.kind, ProgramKind) or not isinstance(program.phased, Phased):
+        raise Error(f"IR verifier (after {after}): the program's kind {program.kind!r} or "
+                    f"phased {program.phased!r} is not one of ir/kinds.py's names")
     if len(program.ipu_of_stage) != max(program.n_stages, 1):
         raise Error(f"IR verifier (after {after}): {program.n_stages} stage(s) but "
                     f"{len(program.ipu_of_stage)} IPU assignment(s)")

@@ -115,7 +115,7 @@ def _dispatches_to(binding, overload, args, kwargs):
     return False
 
 
-_CHECKED = {}      # (overload, argument kinds) -> binding or None
+_CHECKED: dict = {}    # (overload, argument kinds) -> binding or None
 
 
 def kernel_for(target, args, kwargs):

@@ -11,6 +11,7 @@ peak.  All of it is arrays over tiles.
 """
 import logging
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -40,20 +41,20 @@ class MemoryReport:
     # per tile the same program would have without recomputing them.
     recomputation: str = "None"
     recomputed_ops: list = field(default_factory=list)
-    not_always_live_without_recomputation: np.ndarray = None
+    not_always_live_without_recomputation: Optional[np.ndarray] = None
     # every IPU's report, on IPU 0's (runtime/compiler.py sets it)
     ipus: list = field(default_factory=list)
     # The parts of ``always_live`` besides the variables (``Code``): vertex
     # state (``VERTEX_STATE_BYTES`` per distinct op on each tile it runs on),
     # the target's runtime code on every tile and the control code per tile;
     # variable -> role ("param", "input", ...).
-    vertex_state: np.ndarray = None
+    vertex_state: Optional[np.ndarray] = None
     code_bytes_per_tile: int = 0
-    control_code: np.ndarray = None
+    control_code: Optional[np.ndarray] = None
     # Tiles where an AMP vertex (a convolution's or matmul's plan) runs:
     # their data sits in the interleaved region, above the target's
     # ``interleaved_start`` (``including_gaps``).
-    interleaved: np.ndarray = None
+    interleaved: Optional[np.ndarray] = None
     interleaved_start: int = 0
     roles: dict = field(default_factory=dict)
 

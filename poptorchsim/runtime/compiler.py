@@ -32,7 +32,6 @@ every pass.
 """
 import os
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -57,6 +56,7 @@ from ..passes.placement import Placement, place
 from ..passes.program import build_main
 from ..passes.tile_mapping import map_graph
 from . import collector
+from .compiled import Compiled
 from .precision import (add_scale_update, apply as apply_precision, float_statistics_forward,
                         floating_point_checks, watch_gradients)
 from .update import (build_update, check_loss_scaling, numeric_update, sharded_state,
@@ -64,35 +64,6 @@ from .update import (build_update, check_loss_scaling, numeric_update, sharded_s
 
 #: run the IR verifier after every pass (tests/conftest.py turns it on)
 VERIFY_EACH_PASS = os.environ.get("POPTORCHSIM_VERIFY_PASSES", "") not in ("", "0")
-
-
-@dataclass
-class Compiled:
-    capture: object
-    program: Program
-    target: object
-    memory: object
-    costs: dict                       # graph name -> [OpCost]
-    cycles: dict                      # breakdown of one call
-    step_fn: object
-    update_fn: object = None
-    optimizer_kind: str = ""
-    group_of: list = field(default_factory=list)
-    flags: list = field(default_factory=list)
-    compile_seconds: float = 0.0
-    max_grad_norm: float = None
-    shards: dict = field(default_factory=dict)   # param -> replicas its optimizer state is cut over
-    plan: object = None               # the optimizer update's UpdatePlan
-    slots: list = field(default_factory=list)    # per trainable param: (Slots read, Slots written)
-    layouts: list = field(default_factory=list)  # per trainable param: update_capture.ParamUpdate
-    schedule: object = None           # passes.pipeline.Schedule of one weight update (or call)
-    location_settings: dict = field(default_factory=dict)   # TensorLocations, as compiled
-    precision: dict = None            # runtime.precision settings
-    rounding: object = None           # machine.precision.Rounding (stochastic rounding)
-    watch: object = None              # machine.precision.GradientWatch (fp16 gradients)
-    auto_loss_scaling: object = None  # passes.loss_scaling.Settings
-    pass_seconds: dict = field(default_factory=dict)   # compile pass -> seconds it took
-    loaded_from: str = None           # the executable cache file it was read from, if any
 
 
 class _Passes:
@@ -190,10 +161,13 @@ def compile_training(model, optimizer, args, kwargs, config, capture=None, trace
     if not estimate_only:
         step_fn, update_fn = compile_graph(step), compile_graph(numeric.graph)        # 15
     run.done("generate code")
-    return Compiled(capture, program, target, memory, costs, cycles, step_fn, update_fn,
-                    plan.kind, numeric.group_of, numeric.flags, run.close(not estimate_only),
-                    plan.max_grad_norm, numeric_shards, plan, numeric.slots, numeric.layouts,
-                    schedule=schedule, location_settings=c.locations, precision=c.precision,
+    return Compiled(capture=capture, program=program, target=target, memory=memory,
+                    costs=costs, cycles=cycles, step_fn=step_fn, update_fn=update_fn,
+                    optimizer_kind=plan.kind, group_of=numeric.group_of, flags=numeric.flags,
+                    compile_seconds=run.close(not estimate_only),
+                    max_grad_norm=plan.max_grad_norm, shards=numeric_shards, plan=plan,
+                    slots=numeric.slots, layouts=numeric.layouts, schedule=schedule,
+                    location_settings=c.locations, precision=c.precision,
                     rounding=rounding, watch=watch, auto_loss_scaling=c.auto_loss_scaling,
                     pass_seconds=run.seconds)
 
@@ -227,8 +201,9 @@ def compile_inference(model, args, kwargs, config):
     program, costs, memory, cycles, schedule = _plan(program, target, c, run)       # 10-14
     fn = compile_graph(graph)                                                          # 15
     run.done("generate code")
-    return Compiled(capture, program, target, memory, costs, cycles, fn,
-                    compile_seconds=run.close(), schedule=schedule,
+    return Compiled(capture=capture, program=program, target=target, memory=memory,
+                    costs=costs, cycles=cycles, step_fn=fn, compile_seconds=run.close(),
+                    schedule=schedule,
                     location_settings=c.locations, precision=c.precision, rounding=rounding,
                     pass_seconds=run.seconds)
 

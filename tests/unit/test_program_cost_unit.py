@@ -101,7 +101,7 @@ def test_nested_repeat_of_a_collective():
     p = _program(di=2)
     one = _delta(p, _costs(p), AllReduce(1000, 2))
     p = _program(di=2)
-    three = _delta(p, _costs(p), Repeat(3, AllReduce(1000, 2), "other"))
+    three = _delta(p, _costs(p), Repeat(3, AllReduce(1000, 2), "device_iteration"))
     assert three["collective"] == pytest.approx(3 * one["collective"]) and one["collective"] > 0
 
 
