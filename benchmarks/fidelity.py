@@ -62,6 +62,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorchsim as poptorch
+from poptorchsim.validation.published import REMOTE_CASES
 
 
 class DataLoadingCNN(nn.Module):
@@ -209,16 +210,7 @@ class SeedMLP(nn.Module):
         return x, self.loss(x, labels)
 
 
-# The seed's table (shared/seeds/003_1b019f863a240eaf.txt): data parallelism
-# 4, gradient accumulation 8, micro-batch 8, Adam; optimizer state in
-# Streaming Memory, sharded above a threshold, or on chip.
-REMOTE_CASES = [
-    ("no sharding", int(1e10), False, 43_418.9),
-    ("only state related to fc1.weight", 262_145, False, 50_909.2),
-    ("all state related to weights", 1024, False, 67_403.4),
-    ("all state", 512, False, 72_570.0),
-    ("on-chip optimizer", None, True, 107_418.9),
-]
+# The seed's table: poptorchsim.validation.published.REMOTE_CASES
 
 
 def remote_variables(threshold, on_chip, replicas=4, ga=8, micro=8):

@@ -101,10 +101,9 @@ from tqdm.auto import tqdm
 import poptorchsim
 from poptorchsim.machine import host_device
 
+from poptorchsim.testing import quiet_options, reference_call, to_layout, zoo
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-import test_model_zoo as zoo  # noqa: E402 - after the sys.path insert above; WithLoss, images, _float64; needs pytest
-from conftest import quiet_options, reference_call, to_layout  # noqa: E402 - after the sys.path insert above
 
 TOL = 1e-4                    # fp32: largest weight / output difference for "match"
 FP64_FACTOR = 2.0             # arbitration: sim no further from fp64 than 2x eager fp32

@@ -41,10 +41,9 @@ from tqdm.auto import tqdm
 
 import poptorchsim
 
+from poptorchsim.testing import quiet_options, zoo
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-import test_model_zoo as zoo  # noqa: E402 - after the sys.path insert above; the model table; needs pytest
-from conftest import quiet_options  # noqa: E402 - after the sys.path insert above
 
 BATCH = 2
 IMAGE = 64
@@ -53,7 +52,7 @@ SCALING = ["resnet18", "resnet50", "resnet101", "resnet152"]
 QUICK = ["resnet18", "mobilenet_v3_small", "transformer_encoder", "lstm_bidirectional",
          "embedding_bag_mean", "gpt_block"]
 QUICK_SCALING = ["resnet18", "resnet34", "resnet50"]
-EXTRA = {n: zoo.Case(n, zoo._tv(n), zoo.images(), "ce")
+EXTRA = {n: zoo.Case(n, zoo.tv(n), zoo.images(), "ce")
          for n in ("resnet34", "resnet50", "resnet101", "resnet152")}
 CASES = {c.name: c for c in zoo.ZOO}
 CASES.update((n, EXTRA[n]) for n in ("resnet50", "resnet101", "resnet152"))

@@ -23,13 +23,13 @@ import pytest
 import torch
 from torch import nn
 
-import poptorchsim
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-RTOL = 1e-5
-ATOL = 1e-6
+# the helpers users have too (poptorchsim.testing), under the names the tests import
+from poptorchsim.testing import (ATOL, RTOL, assert_state_close, quiet_options,  # noqa: E402,F401 - re-exported for the tests
+                                 reference_call, reference_train, to_layout)
 
 
 class LogRecords(logging.Handler):
@@ -46,11 +46,6 @@ class LogRecords(logging.Handler):
     @property
     def text(self):
         return "".join(self.messages)
-
-
-def quiet_options():
-    """``Options`` with the compilation progress bar off."""
-    return poptorchsim.Options().showCompilationProgressBar(False)
 
 
 # ---------------------------------------------------------------------------
@@ -125,55 +120,8 @@ def regression_batch(n, in_features=6, out_features=3, seed=0):
 
 
 # ---------------------------------------------------------------------------
-# Reference training in plain PyTorch
-# ---------------------------------------------------------------------------
-def to_layout(t, di, ga, rf):
-    """A combined batch reshaped to [di, ga, rf, micro, ...]."""
-    assert t.shape[0] % (di * ga * rf) == 0
-    return t.reshape(di, ga, rf, t.shape[0] // (di * ga * rf), *t.shape[1:])
-
-
-def reference_call(model, optimizer, inputs, di=1, ga=1, rf=1):
-    """One trainingModel call reproduced in plain PyTorch.
-
-    ``model(*micro_inputs)`` must return ``(output, loss)``.  Returns the
-    outputs stacked as ``[di, ga, rf, micro, ...]`` and the losses as
-    ``[di, ga, rf]`` (each computed with the weights before that iteration's
-    optimizer step)."""
-    split = [to_layout(t, di, ga, rf) for t in inputs]
-    outs, losses = [], []
-    for i in range(di):
-        optimizer.zero_grad()
-        for g in range(ga):
-            for r in range(rf):
-                out, loss = model(*[t[i, g, r] for t in split])
-                (loss / (ga * rf)).backward()
-                outs.append(out.detach().clone())
-                losses.append(loss.detach().clone())
-        optimizer.step()
-    micro_out = outs[0].shape
-    return (torch.stack(outs).reshape(di, ga, rf, *micro_out),
-            torch.stack(losses).reshape(di, ga, rf))
-
-
-def reference_train(model, optimizer, batches, di=1, ga=1, rf=1):
-    """``reference_call`` over several calls; returns the per-call results."""
-    return [reference_call(model, optimizer, b, di, ga, rf) for b in batches]
-
-
-# ---------------------------------------------------------------------------
 # Comparisons
 # ---------------------------------------------------------------------------
-def assert_state_close(actual_model, expected_model, rtol=RTOL, atol=ATOL):
-    """Parameters and buffers of two models match (names and values)."""
-    actual = actual_model.state_dict()
-    expected = expected_model.state_dict()
-    assert actual.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol,
-                                   msg=lambda m, n=name: f"{n}: {m}")
-
-
 def snapshot(model):
     """A detached copy of the model's state_dict."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -10,16 +10,16 @@ from PopTorch's sources with ``ast``; where the PopTorch mirror exists,
 ``test_data_file_matches_poptorch_sources`` checks it is still what the tool
 writes.
 
-Each name must exist in poptorchsim unless ``ABSENT`` gives the reason it
-does not; an ``ABSENT`` entry for a name poptorchsim has fails too, so the
-list says exactly what is missing.  ``docs/api_surface.md`` is written from
-the same two lists.
+Each name must exist in poptorchsim unless ``ABSENT``
+(``tests/data/poptorch_surface_notes.json``) gives the reason it does not;
+an ``ABSENT`` entry for a name poptorchsim has fails too, so the list says
+exactly what is missing.  ``docs/api_surface.md`` is written from the same
+two lists.
 """
-import importlib
+import importlib.util
 import json
 import os
 import pathlib
-import sys
 
 import pytest
 import torch
@@ -31,56 +31,12 @@ DATA = ROOT / "tests" / "data" / "poptorch_surface.json"
 SURFACE = json.loads(DATA.read_text())
 MIRROR = "/work/.mirror/graphcore+poptorch/repo"
 
-_NO_GEOMETRIC = ("PopTorch Geometric (poptorch_geometric) is not simulated; its "
-                 "ops need its C++ kernels")
-_BACKEND = "an internal of PopTorch's C++ backend"
-
-# "<module or class key>.<name>": why poptorchsim does not have it.
-ABSENT = {
-    # -- poptorch.<name> --------------------------------------------------------------
-    "poptorch.accessAttributes": (
-        f"{_BACKEND}: it reads a custom op's attributes by memory address (ctypes) for "
-        "the C++ side; poptorchsim hands custom-op attributes over as Python objects"),
-    "poptorch.attributes_lists": (
-        f"{_BACKEND}: the list that keeps custom-op attribute dicts alive for "
-        "accessAttributes"),
-    "poptorch.fps": _NO_GEOMETRIC,
-    "poptorch.nearest": _NO_GEOMETRIC,
-    "poptorch.registerGeometricCustomArgParsers": _NO_GEOMETRIC,
-    "poptorch.getIpuTensorId": (
-        "needs IPU tensors (PopTorch's device='ipu' dispatcher); the simulator keeps "
-        "tensors on the CPU and names them by getTensorNames()"),
-    "poptorch.importPoptorchMetadataFromFile": (
-        f"{_BACKEND}: it reads the pickled metadata appended to a Poplar executable; "
-        "poptorch.load reads poptorchsim's files directly"),
-    "poptorch.poptorchAtExit": (
-        f"{_BACKEND}: the atexit hook that releases IPU devices; the simulator holds none"),
-    # -- strategies -------------------------------------------------------------------
-    **{f"{cls}.{hook}": (
-        "a hook PopTorch's tracer calls around tracing to reset the stage manager; "
-        "poptorchsim's capture reads the strategy's stages directly")
-       for cls in ("PipelinedExecution", "ShardedExecution", "SerialPhasedExecution",
-                   "ParallelPhasedExecution")
-       for hook in ("onStartTracing", "onEndTracing")},
-    # -- PoplarExecutor ----------------------------------------------------------------
-    "PoplarExecutor.PoptorchParameter": (
-        "PopTorch swaps the parameters' class so that reading one copies the weights "
-        "back lazily; the simulator copies them into the model after every call"),
-    "PoplarExecutor.PoptorchBuffer": (
-        "as PoptorchParameter: the simulator copies buffers back after every call"),
-}
-
-
-# "<key>.<function>": why its parameters differ from PopTorch's.
-_BUILT_INSIDE = ("built by poptorchsim itself, never by an application: Options makes its "
-                 "option groups, trainingModel/inferenceModel make the executor")
-SIGNATURE_EXEMPT = {
-    "Options.Training.__init__": _BUILT_INSIDE,
-    "Options.Precision.__init__": _BUILT_INSIDE,
-    "Options.Jit.__init__": _BUILT_INSIDE,
-    "Options.TensorLocations.__init__": _BUILT_INSIDE,
-    "PoplarExecutor.__init__": _BUILT_INSIDE,
-}
+# "<module or class key>.<name>": why poptorchsim does not have it ("absent"), and
+# "<key>.<function>": why its parameters differ from PopTorch's ("signature_exempt");
+# tools/api_surface_doc.py writes docs/api_surface.md from the same file
+NOTES = json.loads((ROOT / "tests" / "data" / "poptorch_surface_notes.json").read_text())
+ABSENT = NOTES["absent"]
+SIGNATURE_EXEMPT = NOTES["signature_exempt"]
 
 
 def _dataset(n=8):
@@ -327,11 +283,11 @@ def test_no_name_applications_use_is_absent():
 
 
 def _tool(name):
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.pop(0)
+    """``tools/<name>.py`` loaded from its file (no ``sys.path`` change)."""
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_docs_page_is_current():

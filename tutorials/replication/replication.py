@@ -31,11 +31,11 @@ import torch.nn as nn
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path[:0] = [str(HERE), str(ROOT)]      # mnist_mlp.py beside this file; benchmarks/
+sys.path[:0] = [str(HERE)]      # mnist_mlp.py beside this file
 
 import poptorchsim as poptorch  # noqa: E402 - PopTorch programs say `import poptorch`
 from poptorchsim.profiling import summary, write_report  # noqa: E402
-from benchmarks.fidelity import REMOTE_CASES  # noqa: E402 - the seed's five cases
+from poptorchsim.validation.published import REMOTE_CASES  # noqa: E402 - the seed's five cases
 from mnist_mlp import (ACCUMULATION, CLASSES, LR, MICRO_BATCH, MLP, REPLICAS,  # noqa: E402
                        digits)
 
