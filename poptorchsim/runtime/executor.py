@@ -28,6 +28,8 @@ from .host_memory import give_back_freed_memory
 from .inputs import ModelInputs
 from .no_weights import has_meta_state, no_weights_error, require_weights
 from .optimizer_handling import _OptimizerHandling
+from .popart_ir import popart_ir
+from . import popart_log
 from .precision import GradientMonitor, keep_running_statistics_float
 from .results import _SimulationResults
 from .update import update_plan
@@ -180,6 +182,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         finally:
             self._user_model.training = now
         self._config = config
+        popart_log.log_lowering(compiled, config.placement, logger)    # at debug level
         if self._training:
             replica_grouping.check_buffer_broadcast(compiled, self._user_model, o)
         self._constant_outputs = _input_independent_outputs(compiled)
@@ -288,7 +291,9 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         return observe.cycle_count(self._options, self._compiled, self._observe.has_run)
 
     def _debugGetPopartIR(self):
-        return str(self.getIR())
+        """The program as PopART's serialised IR, JSON (``popart_ir.py``)."""
+        self._require_compiled()
+        return popart_ir(self._compiled)
 
     def _require_compiled(self):
         if self._compiled is None:

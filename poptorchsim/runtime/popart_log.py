@@ -1,0 +1,62 @@
+"""PopTorch's debug log of a compile, written from poptorchsim's IR.
+
+With ``POPTORCH_LOG_LEVEL=DEBUG`` PopTorch's backend logs how it lowered
+the model: the session options it sets where the user did not
+(``enablePipelining set to value 1`` when a pipelined model uses more than
+one IPU, ``0`` otherwise), then ``Graph lowered to PopART {``, a line per
+operation, ``<operation> was lowered to <its tensors> [<types>, mode(Pipelined),
+ipu(I), stage(S)]`` (``mode(Sharded)``; ``mode(Phased), ipu(I), phase(P)``),
+and ``}``.  Programs and PopTorch's tests read these lines to see where
+each operation runs.  poptorchsim writes them from the compiled program,
+for the forward operations of the model's graph (PopART differentiates the
+rest): the tensors named as PopART names them (``<name scope>/<type>:<output>``,
+``/1``, ``/2`` ... after a name already taken; types as in
+``_debugGetPopartIR()``), the IPU and stage (or phase) the placement gave.
+Nothing is computed when the log is not at debug level."""
+import logging
+
+from .popart_ir import op_type
+
+_TYPES = {"float32": "Float", "float16": "Half", "int64": "Long", "int32": "Int",
+          "bool": "Bool", "int8": "Char", "uint8": "Byte", "float64": "Double",
+          "bfloat16": "BFloat16"}
+
+
+def _mode(spec):
+    if getattr(spec, "phased", False):
+        return "Phased"
+    return "Pipelined" if spec is None or spec.pipelined else "Sharded"
+
+
+def log_lowering(compiled, placement, log):
+    """Writes PopTorch's lowering lines for ``compiled`` (placed by the
+    strategy spec ``placement``) to ``log`` at debug level."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    program = compiled.program
+    graph = program.graphs[program.model_graph]
+    mode = _mode(placement)
+    forward = [op for op in graph.ops if not op.backward]
+    used = {op.ipu for op in forward}
+    log.debug("enablePipelining set to value %d", int(mode == "Pipelined" and len(used) > 1))
+    log.debug("Graph lowered to PopART {")
+    taken = {}
+    for op in forward:
+        kind = op_type(op)
+        scope = op.name.rpartition("/")[0]
+        names, types = [], []
+        for i, t in enumerate(t for t in op.outputs if t is not None):
+            name = f"{scope + '/' if scope else ''}{kind}:{i}"
+            k = taken.get(name, 0)
+            taken[name] = k + 1
+            names.append(f"{name}/{k}" if k else name)
+            dtype = _TYPES.get(str(t.dtype).replace("torch.", ""), str(t.dtype))
+            types.append(f"{dtype}({', '.join(str(s) for s in t.shape)})")
+        if mode == "Phased":
+            phases = program.phase_of_stage or [0]
+            where = f" mode(Phased), ipu({op.ipu}), phase({phases[min(op.stage, len(phases) - 1)]})"
+        else:
+            where = f" mode({mode}), ipu({op.ipu}), stage({op.stage})"
+        log.debug("%s = %s was lowered to %s [%s,%s]", op.name, op.target, ", ".join(names),
+                  ", ".join(types), where)
+    log.debug("}")

@@ -1,0 +1,107 @@
+"""``_debugGetPopartIR()`` (the program as PopART's serialised IR, JSON) and
+PopTorch's debug log of the lowering, both written from poptorchsim's IR."""
+import json
+import logging
+
+import torch
+from torch import nn
+
+import poptorchsim
+from conftest import LogRecords, quiet_options
+
+
+def _ops(model, of_type=None):
+    ops = json.loads(model._debugGetPopartIR())["maingraph"]
+    return [op for op in ops if of_type is None or op["type"] == of_type]
+
+
+class Convs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(1, 2, 3), nn.Conv2d(1, 2, 3)
+
+    def forward(self, x):
+        with poptorchsim.MultiConv():
+            y = self.a(x)
+            z = self.b(torch.abs(x))
+        return torch.relu(y + z)
+
+
+def test_the_model_graph_with_popart_types_and_one_multiconv_per_group():
+    m = poptorchsim.inferenceModel(Convs(), quiet_options())
+    m(torch.randn(2, 1, 8, 8))
+    types = [op["type"] for op in _ops(m)]
+    assert types.count("MultiConv") == 1 and "Conv" not in types
+    assert {"Abs", "Add", "Relu"} <= set(types)
+    multi = _ops(m, "MultiConv")[0]
+    assert len(multi["outputs"]) == 2 and multi["outputs"][0]["shape"] == ["2", "2", "6", "6"]
+
+
+class Scatters(nn.Module):
+    def forward(self, inp, index, src):
+        return torch.cat([inp.scatter_reduce(0, index, s, reduce="amax") for s in src], dim=1)
+
+
+def test_each_scatter_is_a_scatter_reduce_with_its_reduction():
+    m = poptorchsim.inferenceModel(Scatters(), quiet_options())
+    src = [torch.randn(8, 4) for _ in range(3)]
+    m(torch.randn(4, 4), torch.randint(0, 4, (8, 4)), src)
+    scatters = _ops(m, "ScatterReduce")
+    assert len(scatters) == 3
+    assert all(op["attributes"]["reduction"] == "amax" for op in scatters)
+
+
+class Linear2(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x, y):
+        out = self.fc(x)
+        return out, nn.functional.mse_loss(out, y)
+
+
+def test_training_adds_each_weights_optimizer_ops():
+    for optimizer, expected in ((lambda p: torch.optim.SGD(p, lr=0.1), {"SGD0VarUpdate": 2}),
+                                (lambda p: torch.optim.AdamW(p, lr=0.1),
+                                 {"AdamUpdater": 2, "AdamVarUpdate": 2})):
+        model = Linear2()
+        m = poptorchsim.trainingModel(model, quiet_options(), optimizer(model.parameters()))
+        m(torch.randn(3, 4), torch.randn(3, 2))
+        types = [op["type"] for op in _ops(m)]
+        assert {t: types.count(t) for t in expected} == expected
+        assert "MatMul" in types
+        assert not {"SGD0VarUpdate", "AdamVarUpdate"} - set(expected) & set(types)
+
+
+class TwoStages(nn.Module):
+    def forward(self, x):
+        with poptorchsim.Block(ipu_id=0):
+            x = x * 4
+        with poptorchsim.Block(ipu_id=1):
+            x = x * 2
+        return x
+
+
+def test_the_lowering_log_says_where_each_op_runs():
+    records = LogRecords()
+    log = logging.getLogger("poptorchsim")
+    log.addHandler(records)
+    level = log.level
+    try:
+        log.setLevel(logging.DEBUG)
+        poptorchsim.inferenceModel(TwoStages(), quiet_options().deviceIterations(2)).compile(
+            torch.randn(2, 5))
+        log.setLevel(logging.INFO)
+        poptorchsim.inferenceModel(TwoStages(), quiet_options().deviceIterations(2)).compile(
+            torch.randn(2, 5))
+    finally:
+        log.removeHandler(records)
+        log.setLevel(level)
+    lines = records.messages
+    assert lines.count("Graph lowered to PopART {") == 1       # at debug level only
+    assert "enablePipelining set to value 1" in lines
+    assert any(" Mul:0 " in line and " mode(Pipelined), ipu(0), stage(0)" in line
+               for line in lines)
+    assert any(" Mul:0/1 " in line and " mode(Pipelined), ipu(1), stage(1)" in line
+               for line in lines)
