@@ -156,7 +156,8 @@ def compile_training(model, optimizer, args, kwargs, config, capture=None, trace
     rounding = apply_precision(c.precision, [step, update.graph]                        # 9
                                + ([numeric.graph] if numeric is not update else []))
     program = run.done("precision", program)
-    program, costs, memory, cycles, schedule = _plan(program, target, c, run)       # 10-14
+    program, costs, memory, cycles, schedule = _plan(program, target, c, run,       # 10-14
+                                                     warn=not estimate_only)
     step_fn = update_fn = None
     if not estimate_only:
         step_fn, update_fn = compile_graph(step), compile_graph(numeric.graph)        # 15
@@ -238,7 +239,7 @@ def rebuild_update(compiled, model, optimizer, config):
     place_update(update.graph, input_ipus(step), input_stages(step))
     program = _map_tiles(program, compiled.target)
     (compiled.program, compiled.costs, compiled.memory, compiled.cycles,
-     compiled.schedule) = _plan(program, compiled.target, c, _Passes())
+     compiled.schedule) = _plan(program, compiled.target, c, _Passes(), warn=False)
     compiled.shards = numeric_shards
     compiled.update_fn = compile_graph(numeric.graph)
     compiled.optimizer_kind, compiled.group_of, compiled.flags = (plan.kind, numeric.group_of,
@@ -396,7 +397,7 @@ def _map_tiles(program, target):
     return program
 
 
-def _plan(program, target, c, run):
+def _plan(program, target, c, run, warn=True):
     """Costs per op, tensor locations, the control program, the memory
     report of every IPU (checked) and the cycle estimate (steps 10-14).
     Returns (program, costs, memory of IPU 0 with ``.ipus`` = all, cycles,
@@ -414,7 +415,7 @@ def _plan(program, target, c, run):
     reports = [plan_memory(program, program.variables, target, costs, ipu, program.locations,
                            shared) for ipu in range(program.n_ipus)]                     # 13
     for report in reports:
-        check_fits(report, target, c.allow_oom, program.n_ipus)
+        check_fits(report, target, c.allow_oom, program.n_ipus, warn_tight=warn)
     memory = reports[0]
     memory.ipus = reports
     run.done("memory")

@@ -237,3 +237,35 @@ def test_control_code_is_per_compute_set_on_the_tiles_an_op_runs_on():
     assert unique and code.control.max() <= unique * 2 * 10
     none, _ = _code_of(training_program(n_layers=1, width=64, batch=8), per_step=0)
     assert not none.control.any() and np.array_equal(none.state, code.state)
+
+
+# -- the fit check's margin -------------------------------------------------------------
+def test_a_tile_fuller_than_the_estimates_uncertainty_is_warned_of():
+    """Fits by the estimate, but within the max-tile uncertainty of the
+    limit: a warning naming the tile and the headroom; with more room, none."""
+    import logging
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from poptorchsim.estimate.targets import MK2
+    from poptorchsim.passes.memory import MAX_TILE_UNCERTAINTY, check_fits
+    cap = 638_976
+    tight = np.full(MK2.tiles, 1000.0)
+    tight[7] = cap * (1 - MAX_TILE_UNCERTAINTY / 2)
+    roomy = np.full(MK2.tiles, cap * (1 - 2 * MAX_TILE_UNCERTAINTY))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("poptorchsim")
+    log.addHandler(handler)
+    try:
+        check_fits(SimpleNamespace(total=roomy, capacity=cap, ipu=0), MK2)
+        assert not records
+        check_fits(SimpleNamespace(total=tight, capacity=cap, ipu=0), MK2)
+        check_fits(SimpleNamespace(total=tight, capacity=cap, ipu=0), MK2, warn_tight=False)
+    finally:
+        log.removeHandler(handler)
+    assert len(records) == 1
+    text = records[0].getMessage()
+    assert "fullest tile (tile 7)" in text and "may not fit" in text
