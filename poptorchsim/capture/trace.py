@@ -29,6 +29,7 @@ from .decompositions import TraceableForms, decompositions, tracing_backends
 from .mixed_precision import MixedPrecision
 from .op_calls import PoptorchOpCalls
 from .weightless import explain_meta_constant, fake_meta_example
+from .index_expansion import remove_index_expansions
 from .trace_checks import constants_as_compiled, held_constants
 from .trace_checks import (check_multiconvs, drop_constant_reads, explain_failure,
                            named_inputs, user_frame, forward_signature)
@@ -160,6 +161,7 @@ def _trace(fn, example, what, blocks_seen=None, stack_traces=False):
                 f"at {user_frame(exc)} ({name}). {DATA_DEPENDENT_HELP}") from None
         raise
     drop_constant_reads(gm)
+    remove_index_expansions(gm)      # as PopTorch's canonicalisation does
     check_multiconvs(gm)
     for node in gm.graph.nodes:
         if node.target in (aten._local_scalar_dense.default, aten.item.default):

@@ -57,6 +57,8 @@ def log_lowering(compiled, placement, log):
             where = f" mode(Phased), ipu({op.ipu}), phase({phases[min(op.stage, len(phases) - 1)]})"
         else:
             where = f" mode({mode}), ipu({op.ipu}), stage({op.stage})"
-        log.debug("%s = %s was lowered to %s [%s,%s]", op.name, op.target, ", ".join(names),
+        schema = getattr(op.target, "_schema", None)          # aten::mul, as PopTorch's
+        text = schema.name if schema is not None else str(op.target)   # graph prints it
+        log.debug("%s = %s was lowered to %s [%s,%s]", op.name, text, ", ".join(names),
                   ", ".join(types), where)
     log.debug("}")
