@@ -19,6 +19,7 @@ from ._api.option_groups import (  # noqa: F401 - poptorch.options.<name>, as Po
     FROZEN_MESSAGE, TensorLocationSettings, _check_positive_int, _DistributedOptions,
     _JitOptions, _OptionsDict, _PopartOptions, _PrecisionOptions, _TensorLocationOptions,
     _TrainingOptions)
+from ._api import session_options
 from ._api.option_extras import _CompilerOptions
 from ._api.strategies import (  # noqa: F401 - poptorch.options.<name>, as PopTorch has them
     ParallelPhasedExecution, Phase, PipelinedExecution, SerialPhasedExecution,
@@ -63,10 +64,10 @@ class Options(_CompilerOptions, _OptionsDict):
         )
         object.__setattr__(self, "_training", _TrainingOptions())
         object.__setattr__(self, "_distributed", _DistributedOptions())
-        object.__setattr__(self, "_precision", _PrecisionOptions())
+        object.__setattr__(self, "_popart", _PopartOptions())
+        object.__setattr__(self, "_precision", _PrecisionOptions(self._popart))
         object.__setattr__(self, "_tensor_locations", _TensorLocationOptions())
         object.__setattr__(self, "_jit", _JitOptions())
-        object.__setattr__(self, "_popart", _PopartOptions())
         # PopTorch's default strategy, as PopTorch's Options holds it
         object.__setattr__(self, "_execution_strategy", PipelinedExecution())
         object.__setattr__(self, "_module_namescope_enabled", True)
@@ -369,6 +370,16 @@ class Options(_CompilerOptions, _OptionsDict):
             else:
                 fn(value)
         return self
+
+    def toDict(self):
+        """Every option in one flat dictionary, as PopTorch's backend takes it
+        (``_api/session_options.py``); an output mode must be picked first."""
+        return session_options.to_dict(self)
+
+    def _backend_dict(self, output_mode):
+        """``toDict()`` with ``OutputMode.Default`` resolved to ``output_mode``,
+        as a wrapped model's options are when it compiles."""
+        return session_options.to_dict(self, output_mode)
 
     def clone(self):
         """An unfrozen deep copy."""

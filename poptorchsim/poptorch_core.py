@@ -16,9 +16,10 @@ import sys
 
 from .errors import Error, RecoverableError, UnrecoverableError
 from .ops import ipuHardwareVersion  # poptorch_core.ipuHardwareVersion
+from .runtime.session_options import parse as _parse_options
 
 __all__ = ["Error", "RecoverableError", "UnrecoverableError", "TestErrorType",
-           "isCompilingWithDispatcher", "ipuHardwareVersion"]
+           "isCompilingWithDispatcher", "ipuHardwareVersion", "_validateOptions"]
 
 
 class TestErrorType(enum.Enum):
@@ -90,3 +91,10 @@ def isCompilingWithDispatcher():
     ``poptorch.isRunningOnIpu()``.)"""
     from .ops import isRunningOnIpu
     return isRunningOnIpu()
+
+
+def _validateOptions(options_dict):
+    """PopTorch's backend's parse of ``Options.toDict()``: ``Error`` for an
+    unknown option or a value no option takes; each option set logged at
+    debug level (``runtime/session_options.py``)."""
+    _parse_options(options_dict)

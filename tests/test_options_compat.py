@@ -115,6 +115,7 @@ def test_sync_pattern_option_and_copy():
     assert opts.sync_pattern == poptorch.SyncPattern.Full
     opts.syncPattern(poptorch.SyncPattern.ReplicaAndLadder)
     assert copy.deepcopy(opts).sync_pattern == poptorch.SyncPattern.ReplicaAndLadder
+    opts.outputMode(poptorch.OutputMode.All)        # toDict needs one, as PopTorch's
     assert opts.toDict()["sync_pattern"] == poptorch.SyncPattern.ReplicaAndLadder
     with pytest.raises(AssertionError, match="poptorch.SyncPattern"):
         opts.syncPattern(1)

@@ -311,10 +311,17 @@ class _TensorLocationOptions(_OptionsDict):
 class _PrecisionOptions(_OptionsDict):
     """``Options.Precision``: fp16 arithmetic (docs/precision.md)."""
 
-    def __init__(self):
+    def __init__(self, popart=None):
         super().__init__(enable_floating_point_exceptions=False,
                          enable_stochastic_rounding=False, partials_type="float",
                          running_statistics_always_float=False)
+        # the PopART session options these setters also write, as PopTorch's do
+        object.__setattr__(self, "_popart_options", popart)
+
+    def _popart_set(self, name, value):
+        """The PopART option PopTorch's setter writes (``Options.toDict()``)."""
+        if self._popart_options is not None:
+            self._popart_options.options[name] = value
 
     def halfFloatCasting(self, half_float_casting):  # deprecated, as PopTorch
         """Deprecated in PopTorch, and a no-op there: ops mixing fp16 and fp32
@@ -339,16 +346,21 @@ class _PrecisionOptions(_OptionsDict):
         (docs/precision.md)."""
         assert isinstance(enabled, bool), \
             "enableFloatingPointExceptions needs to be set to a bool"
+        self._popart_set("enableFloatingPointChecks", enabled)
         return self.set(enable_floating_point_exceptions=enabled)
 
     def enableStochasticRounding(self, enabled):
+        self._popart_set("enableStochasticRounding", bool(enabled))
         return self.set(enable_stochastic_rounding=bool(enabled))
 
     def setPartialsType(self, dtype):
         import torch
         if dtype not in (torch.float, torch.half):
             raise ValueError("Partials type must be torch.float or torch.half")
-        return self.set(partials_type="float" if dtype == torch.float else "half")
+        kind = "float" if dtype == torch.float else "half"
+        self._popart_set("partialsTypeMatMuls", kind)
+        self._popart_set("convolutionOptions", {"partialsType": kind})
+        return self.set(partials_type=kind)
 
 
 class _JitOptions(_OptionsDict):

@@ -30,6 +30,7 @@ from .no_weights import has_meta_state, no_weights_error, require_weights
 from .optimizer_handling import _OptimizerHandling
 from .popart_ir import popart_ir
 from . import popart_log
+from .session_options import parse as parse_options
 from .precision import GradientMonitor, keep_running_statistics_float
 from .results import _SimulationResults
 from .update import update_plan
@@ -182,6 +183,8 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         finally:
             self._user_model.training = now
         self._config = config
+        if logger.isEnabledFor(logging.DEBUG):     # PopTorch's backend logs its options
+            parse_options(self._options._backend_dict(self._output_mode))
         popart_log.log_lowering(compiled, config.placement, logger)    # at debug level
         if self._training:
             replica_grouping.check_buffer_broadcast(compiled, self._user_model, o)
