@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from . import _impl, enums, optim, profiling  # poptorch._impl, .profiling
+from . import _impl, _logging, enums, optim, profiling  # poptorch._impl, ._logging, .profiling
 from .annotations import (BeginBlock, Block, BlockFunction, BlockId, LegacyBeginBlockFn,
                           ParallelPhasedExecution, Phase, SerialPhasedExecution,
                           PipelinedExecution, ShardedExecution, Stage,

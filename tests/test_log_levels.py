@@ -1,6 +1,8 @@
 """Programs quieten PopTorch's logger by name; poptorchsim's messages follow."""
 import logging
 
+import pytest
+
 import poptorchsim
 
 
@@ -29,3 +31,12 @@ def test_quietening_poptorchs_logger_quietens_poptorchsim():
         poptorchsim.logger.removeHandler(records)
     assert records.messages == ["shown: nobody set PopTorch's logger", "shown: an error",
                                 "shown again"]
+
+
+def test_popart_log_level_takes_poptorchs_names():
+    for bad in (0, "FOO"):
+        with pytest.raises(ValueError, match="Level must be one of"):
+            poptorchsim._logging.setPopartLogLevel(bad)
+    poptorchsim._logging.setPopartLogLevel("DEBUG")
+    assert poptorchsim._logging.popart_log_level == "DEBUG"
+    poptorchsim._logging.setPopartLogLevel("WARN")
