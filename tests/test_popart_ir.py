@@ -105,3 +105,42 @@ def test_the_lowering_log_says_where_each_op_runs():
                for line in lines)
     assert any(" Mul:0/1 " in line and " mode(Pipelined), ipu(1), stage(1)" in line
                for line in lines)
+
+
+class ThreeBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 7), nn.Linear(7, 6), nn.Linear(6, 5)
+
+    def forward(self, x):
+        with poptorchsim.Block("A"):
+            x = self.a(x)
+        with poptorchsim.Block("B"):
+            x = self.b(x)
+        with poptorchsim.Block("C"):
+            return self.c(x)
+
+
+def test_the_lowering_log_of_serial_phases_numbers_them_as_popart():
+    """Activations off chip after each phase: PopART's phase of the user's
+    phase p is 4p, and 3 more phases separate the backward pass."""
+    strategy = poptorchsim.SerialPhasedExecution("A", "B", "C")
+    for name in "ABC":
+        strategy.stage(name).ipu(0)
+    strategy.setTensorsLiveness(poptorchsim.Liveness.OffChipAfterEachPhase)
+    opts = quiet_options().setExecutionStrategy(strategy)
+    records = LogRecords()
+    log = logging.getLogger("poptorchsim")
+    log.addHandler(records)
+    level = log.level
+    try:
+        log.setLevel(logging.DEBUG)
+        poptorchsim.inferenceModel(ThreeBlocks(), opts).compile(torch.randn(2, 8))
+    finally:
+        log.removeHandler(records)
+        log.setLevel(level)
+    lines = records.messages
+    assert "executionPhaseSettings.phases set to value 12" in lines
+    assert "executionPhaseSettings.stages set to value 1" in lines
+    assert "location_weight set to value useOnChipStorage(False)" in lines
+    assert any("mode(Phased), ipu(0), phase(8)" in line for line in lines)

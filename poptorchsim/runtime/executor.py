@@ -185,7 +185,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         self._config = config
         if logger.isEnabledFor(logging.DEBUG):     # PopTorch's backend logs its options
             parse_options(self._options._backend_dict(self._output_mode))
-        popart_log.log_lowering(compiled, config.placement, logger)    # at debug level
+        popart_log.log_lowering(compiled, config.placement, logger, config.locations)
         if self._training:
             replica_grouping.check_buffer_broadcast(compiled, self._user_model, o)
         self._constant_outputs = _input_independent_outputs(compiled)

@@ -17,20 +17,38 @@ import logging
 
 from .popart_ir import op_type
 
-_TYPES = {"float32": "Float", "float16": "Half", "int64": "Long", "int32": "Int",
-          "bool": "Bool", "int8": "Char", "uint8": "Byte", "float64": "Double",
-          "bfloat16": "BFloat16"}
-
-
 def _mode(spec):
     if getattr(spec, "phased", False):
         return "Phased"
     return "Pipelined" if spec is None or spec.pipelined else "Sharded"
 
 
-def log_lowering(compiled, placement, log):
+def _phase_scale(spec):
+    """PopART's phase of the user's phase 1: serial phases whose activations
+    go off chip after each phase take 4 of PopART's, without overlap 2."""
+    return {"OffChipAfterEachPhase": 4, "OffChipAfterFwdNoOverlap": 2}.get(
+        getattr(spec, "liveness", "AlwaysLive"), 1)
+
+
+def _phased_settings(program, spec, locations, log):
+    """The session options PopTorch sets for phased execution where the
+    user did not: the phases (three more when activations go off chip
+    between them), the stages per phase, and every kind of variable in
+    Streaming Memory."""
+    phases = max(program.phase_of_stage or [0]) * _phase_scale(spec) + 1
+    if getattr(spec, "liveness", "AlwaysLive") != "AlwaysLive":
+        phases += 3
+    log.debug("executionPhaseSettings.phases set to value %d", phases)
+    log.debug("executionPhaseSettings.stages set to value %d", 1 if spec.serial else 2)
+    for kind in ("activation", "weight", "optimizer", "accumulator"):
+        if kind not in (locations or {}):
+            log.debug("location_%s set to value useOnChipStorage(False)", kind)
+
+
+def log_lowering(compiled, placement, log, locations=None):
     """Writes PopTorch's lowering lines for ``compiled`` (placed by the
-    strategy spec ``placement``) to ``log`` at debug level."""
+    strategy spec ``placement``, with the user's tensor ``locations``) to
+    ``log`` at debug level."""
     if not log.isEnabledFor(logging.DEBUG):
         return
     program = compiled.program
@@ -39,6 +57,8 @@ def log_lowering(compiled, placement, log):
     forward = [op for op in graph.ops if not op.backward]
     used = {op.ipu for op in forward}
     log.debug("enablePipelining set to value %d", int(mode == "Pipelined" and len(used) > 1))
+    if mode == "Phased":
+        _phased_settings(program, placement, locations, log)
     log.debug("Graph lowered to PopART {")
     taken = {}
     for op in forward:
@@ -50,11 +70,12 @@ def log_lowering(compiled, placement, log):
             k = taken.get(name, 0)
             taken[name] = k + 1
             names.append(f"{name}/{k}" if k else name)
-            dtype = _TYPES.get(str(t.dtype).replace("torch.", ""), str(t.dtype))
+            dtype = str(t.dtype).replace("torch.", "")        # PopART's names: float32
             types.append(f"{dtype}({', '.join(str(s) for s in t.shape)})")
         if mode == "Phased":
             phases = program.phase_of_stage or [0]
-            where = f" mode(Phased), ipu({op.ipu}), phase({phases[min(op.stage, len(phases) - 1)]})"
+            phase = phases[min(op.stage, len(phases) - 1)] * _phase_scale(placement)
+            where = f" mode(Phased), ipu({op.ipu}), phase({phase})"
         else:
             where = f" mode({mode}), ipu({op.ipu}), stage({op.stage})"
         schema = getattr(op.target, "_schema", None)          # aten::mul, as PopTorch's
