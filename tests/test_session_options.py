@@ -70,3 +70,12 @@ def test_a_compile_at_debug_level_logs_its_options():
     lines = _debug_lines(lambda: model.compile(torch.randn(4, 3)))
     assert "poptorch.Options set device_iterations to value 2" in lines
     assert "poptorch.Options set output_mode to value 2" in lines      # Default: All
+
+
+def test_an_unknown_popart_option_fails_the_compile_as_in_poptorch():
+    opts = poptorchsim.Options().showCompilationProgressBar(False)
+    opts._Popart.options["enableSomethingNew"] = True
+    model = poptorchsim.inferenceModel(torch.nn.Linear(3, 2), opts)
+    with pytest.raises(poptorchsim.Error, match="Unknown bool option enableSomethingNew"):
+        model(torch.randn(2, 3))
+    assert not model.isCompiled()

@@ -183,8 +183,9 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         finally:
             self._user_model.training = now
         self._config = config
-        if logger.isEnabledFor(logging.DEBUG):     # PopTorch's backend logs its options
-            parse_options(self._options._backend_dict(self._output_mode))
+        # PopTorch's backend reads the options: an unknown one is an error, and
+        # each is logged at debug level
+        parse_options(self._options._backend_dict(self._output_mode))
         popart_log.log_lowering(compiled, config.placement, logger, config.locations)
         if self._training:
             replica_grouping.check_buffer_broadcast(compiled, self._user_model, o)

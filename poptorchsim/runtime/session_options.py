@@ -3,7 +3,7 @@
 and kind, or is an error; at debug level each one set is logged, as
 PopTorch's backend logs it (``poptorch.Options set <name> to value
 <value>``).  ``poptorch_core._validateOptions`` runs it, and so does every
-compile where the log is at debug level."""
+compile: an unknown option fails the compile, as in PopTorch."""
 import logging
 
 from ..errors import Error
