@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from .interfaces import RecomputePlan, TileMap
 from .kinds import CostClass, Counter, Phased, ProgramKind, Role
 
 FORMATTERS: dict = {}    # "graph" / "program" -> function(obj) -> str (ir.printer)
@@ -36,7 +37,7 @@ class Tensor:
     role: Role = Role.ACTIVATION
     producer: Optional["Op"] = None
     value: Optional[torch.Tensor] = None     # constants only
-    mapping: Any = None               # passes.tile_mapping.TileMapping (tile mapping)
+    mapping: Optional[TileMap] = None     # its place on the tiles (passes/tile_mapping.py)
 
     def __post_init__(self) -> None:
         self.role = Role(self.role)
@@ -167,7 +168,7 @@ class Graph:
     # set by passes (each declared here, none added later):
     outputs_overwrite_inputs: bool = False   # variables updated in place (the optimizer update)
     stash_depth: Optional[dict] = None       # stage -> activations stashed (pipelined training)
-    recompute: Any = None                    # passes.recompute.Recomputation
+    recompute: Optional[RecomputePlan] = None    # passes/recompute.py's plan
     statistics_outputs: int = 0              # trailing outputs: automatic loss scaling's statistics
     watch: Any = None                        # machine.precision.GradientWatch (fp16 gradients)
     rounding: Any = None                     # machine.precision.Rounding (stochastic rounding)

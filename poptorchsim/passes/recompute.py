@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..ir.interfaces import RecomputePlan
+
 MODES = ("None", "Standard", "NormOnly", "Pipeline", "RecomputeAll")
 NONE, STANDARD, NORM_ONLY, PIPELINE, RECOMPUTE_ALL = range(len(MODES))
 
@@ -61,6 +63,10 @@ class Recomputation:
 
     def __bool__(self):
         return bool(self.ops)
+
+
+# the type checker holds Recomputation to what the IR declares of it
+_CHECKED: type[RecomputePlan] = Recomputation
 
 
 def default_mode(mode, pipelined_over_ipus):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ir.graph import subgraph_inputs
+from ..ir.interfaces import TileMap
 from .host_scalars import device_reads
 
 
@@ -55,6 +56,9 @@ class TileMapping:
     def max_bytes(self):
         return int(self._used().max()) if self.nbytes else 0
 
+
+# the type checker holds TileMapping to what the IR declares of it
+_CHECKED: type[TileMap] = TileMapping
 
 _INHERITS = ("view", "elementwise", "transcendental", "random")
 
