@@ -6,6 +6,7 @@ model, fed the same combined batch in PopTorch's layout
 each device iteration is one optimizer step whose gradient is the mean over
 the ``ga * rf`` micro-batches' gradients.
 """
+import contextlib
 import copy
 import logging
 import os
@@ -46,6 +47,21 @@ class LogRecords(logging.Handler):
     @property
     def text(self):
         return "".join(self.messages)
+
+
+@contextlib.contextmanager
+def poptorchsim_log(level=logging.DEBUG):
+    """A ``LogRecords`` of what the ``poptorchsim`` logger emits at ``level``
+    while the block runs (its handlers and level restored after)."""
+    records, log = LogRecords(), logging.getLogger("poptorchsim")
+    saved = log.level
+    log.addHandler(records)
+    log.setLevel(level)
+    try:
+        yield records
+    finally:
+        log.removeHandler(records)
+        log.setLevel(saved)
 
 
 # ---------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import poptorchsim
-from conftest import LogRecords, quiet_options
+from conftest import poptorchsim_log, quiet_options
 
 
 def _ops(model, of_type=None):
@@ -84,20 +84,13 @@ class TwoStages(nn.Module):
 
 
 def test_the_lowering_log_says_where_each_op_runs():
-    records = LogRecords()
-    log = logging.getLogger("poptorchsim")
-    log.addHandler(records)
-    level = log.level
-    try:
-        log.setLevel(logging.DEBUG)
+    with poptorchsim_log() as records:
         poptorchsim.inferenceModel(TwoStages(), quiet_options().deviceIterations(2)).compile(
             torch.randn(2, 5))
-        log.setLevel(logging.INFO)
+    with poptorchsim_log(logging.INFO) as quiet:
         poptorchsim.inferenceModel(TwoStages(), quiet_options().deviceIterations(2)).compile(
             torch.randn(2, 5))
-    finally:
-        log.removeHandler(records)
-        log.setLevel(level)
+    assert not any("lowered to PopART" in line for line in quiet.messages)
     lines = records.messages
     assert lines.count("Graph lowered to PopART {") == 1       # at debug level only
     assert "enablePipelining set to value 1" in lines
@@ -129,16 +122,8 @@ def test_the_lowering_log_of_serial_phases_numbers_them_as_popart():
         strategy.stage(name).ipu(0)
     strategy.setTensorsLiveness(poptorchsim.Liveness.OffChipAfterEachPhase)
     opts = quiet_options().setExecutionStrategy(strategy)
-    records = LogRecords()
-    log = logging.getLogger("poptorchsim")
-    log.addHandler(records)
-    level = log.level
-    try:
-        log.setLevel(logging.DEBUG)
+    with poptorchsim_log() as records:
         poptorchsim.inferenceModel(ThreeBlocks(), opts).compile(torch.randn(2, 8))
-    finally:
-        log.removeHandler(records)
-        log.setLevel(level)
     lines = records.messages
     assert "executionPhaseSettings.phases set to value 12" in lines
     assert "executionPhaseSettings.stages set to value 1" in lines

@@ -1,26 +1,18 @@
 """``Options.toDict()`` as PopTorch's backend takes it, the backend's parse
 (``poptorch_core._validateOptions``: its errors and its debug lines), and
 the same lines when a model compiles at debug level."""
-import logging
 
 import pytest
 import torch
 
 import poptorchsim
 from poptorchsim import poptorch_core
-from conftest import LogRecords
+from conftest import poptorchsim_log
 
 
 def _debug_lines(fn):
-    records, log = LogRecords(), logging.getLogger("poptorchsim")
-    level = log.level
-    log.addHandler(records)
-    log.setLevel(logging.DEBUG)
-    try:
+    with poptorchsim_log() as records:
         fn()
-    finally:
-        log.removeHandler(records)
-        log.setLevel(level)
     return records.messages
 
 

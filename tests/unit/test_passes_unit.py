@@ -249,23 +249,18 @@ def test_a_tile_fuller_than_the_estimates_uncertainty_is_warned_of():
     import numpy as np
 
     from poptorchsim.estimate.targets import MK2
+    from conftest import poptorchsim_log
     from poptorchsim.passes.memory import MAX_TILE_UNCERTAINTY, check_fits
     cap = 638_976
     tight = np.full(MK2.tiles, 1000.0)
     tight[7] = cap * (1 - MAX_TILE_UNCERTAINTY / 2)
     roomy = np.full(MK2.tiles, cap * (1 - 2 * MAX_TILE_UNCERTAINTY))
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    log = logging.getLogger("poptorchsim")
-    log.addHandler(handler)
-    try:
+    with poptorchsim_log(logging.WARNING) as log:
         check_fits(SimpleNamespace(total=roomy, capacity=cap, ipu=0), MK2)
-        assert not records
+        assert not log.messages
         check_fits(SimpleNamespace(total=tight, capacity=cap, ipu=0), MK2)
         check_fits(SimpleNamespace(total=tight, capacity=cap, ipu=0), MK2, warn_tight=False)
-    finally:
-        log.removeHandler(handler)
+    records = log.messages
     assert len(records) == 1
-    text = records[0].getMessage()
+    text = records[0]
     assert "fullest tile (tile 7)" in text and "may not fit" in text
