@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compile time, pass by pass: where the seconds of ``trainingModel(...).compile()`` go.
 
-The compiler is an ordered list of passes (``runtime/compiler.py``, docs/
+The compiler is an ordered list of passes (``passes/compile.py``, docs/
 architecture.md); each compile records the seconds every pass took
 (``Compiled.pass_seconds``).  For the models of ``benchmarks/model_zoo.py``
 (training with SGD, batch 2, CNNs at 64x64, compiled with

@@ -81,7 +81,7 @@ def trainingModel(model, options=None, optimizer=None):
     options = _options_or_default(options)
     if optimizer is None:
         optimizer = optim.SGD(model.parameters(), lr=0.01)
-    from .runtime.optimizer_checks import optimizer_kind
+    from .capture.optimizer_checks import optimizer_kind
     optimizer_kind(optimizer)
     _check_optimizer_params(model, optimizer)
     _check_no_sparse_gradients(model)

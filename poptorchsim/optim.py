@@ -94,7 +94,7 @@ class Optimizer:
     training model) next to torch's own state dict, so learning-rate
     schedulers keep working.  ``load_state_dict`` takes such a dict only."""
 
-    # Marks this class for runtime.optimizer_checks.AttributeTracker: a direct
+    # Marks this class for capture.optimizer_checks.AttributeTracker: a direct
     # subclass of it is one of PopTorch's optimizers (runtime may not import the face)
     _poptorchsim_optimizer_base = True
 

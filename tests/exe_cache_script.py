@@ -15,7 +15,8 @@ import sys
 import torch
 
 import poptorchsim as poptorch
-from poptorchsim.runtime import cache, compiler
+from poptorchsim.passes import front
+from poptorchsim.runtime import cache
 from conftest import ClassifierWithLoss, classification_batch, quiet_options, reference_call
 
 
@@ -46,13 +47,13 @@ def training_run(options):
 
 def _train(out):
     traced = []
-    capture = compiler.capture_training
+    capture = front.capture_training
 
     def counting_capture(*args, **kwargs):
         traced.append(1)
         return capture(*args, **kwargs)
 
-    compiler.capture_training = counting_capture
+    front.capture_training = counting_capture
     result = training_run(quiet_options())
     with open(out, "w") as f:
         json.dump({**result, "traced": len(traced)}, f)

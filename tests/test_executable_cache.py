@@ -15,7 +15,8 @@ import torch
 
 import exe_cache_script
 import poptorchsim as poptorch
-from poptorchsim.runtime import cache, compiler, export
+from poptorchsim.passes import front
+from poptorchsim.runtime import cache, export
 from conftest import (ClassifierWithLoss, classification_batch, quiet_options,
                       reference_call)
 
@@ -79,8 +80,8 @@ def test_second_process_loads_the_cached_executable(tmp_path, monkeypatch):
     this one (and as plain PyTorch)."""
     folder = tmp_path / "cache"
     traced = []
-    capture = compiler.capture_training
-    monkeypatch.setattr(compiler, "capture_training",
+    capture = front.capture_training
+    monkeypatch.setattr(front, "capture_training",
                         lambda *a, **k: traced.append(1) or capture(*a, **k))
     first = exe_cache_script.training_run(quiet_options().enableExecutableCaching(folder))
     (stored,) = folder.iterdir()
@@ -100,7 +101,7 @@ def test_enable_executable_caching_serves_a_fresh_model(tmp_path, monkeypatch):
     opts = quiet_options().enableExecutableCaching(tmp_path)
     x, y = classification_batch(4)
     expected = _training(options=opts)(x, y)
-    monkeypatch.setattr(compiler, "capture_training", _refuse)
+    monkeypatch.setattr(front, "capture_training", _refuse)
     again = _training(options=opts)
     out = again(x, y)
     assert again._compiled.loaded_from.startswith(str(tmp_path))
@@ -246,7 +247,7 @@ def test_export_in_another_process_then_load_trains_as_a_fresh_compile(tmp_path,
     path = tmp_path / "training.poptorch"
     _run_script("export", str(path))
     expected, reference, normal_model = _normal_losses(range(3))
-    monkeypatch.setattr(compiler, "capture_training", _refuse)
+    monkeypatch.setattr(front, "capture_training", _refuse)
     loaded = poptorch.load(str(path))
     assert loaded.isCompiled() and isinstance(loaded.model, ClassifierWithLoss)
     losses = [loaded(*classification_batch(4, seed=s))[1] for s in range(3)]
@@ -266,7 +267,7 @@ def test_save_after_training_then_load_continues_training(tmp_path, monkeypatch)
     rng = torch.get_rng_state()
     original.save(str(path))
     torch.rand(3)
-    monkeypatch.setattr(compiler, "capture_training", _refuse)
+    monkeypatch.setattr(front, "capture_training", _refuse)
     loaded = poptorch.load(str(path))
     assert torch.equal(torch.get_rng_state(), rng)
     for s in range(2, 5):
@@ -281,7 +282,7 @@ def test_inference_export_then_load_with_a_fresh_model(tmp_path, monkeypatch):
     wrapped = poptorch.inferenceModel(model, quiet_options().deviceIterations(2))
     wrapped.compileAndExport(str(tmp_path), x)           # a folder: model.poptorch inside
     path = tmp_path / "model.poptorch"
-    monkeypatch.setattr(compiler, "capture_inference", _refuse)
+    monkeypatch.setattr(front, "capture_inference", _refuse)
 
     def edit(opts):
         opts.useIpuId(1)
@@ -300,7 +301,7 @@ def test_export_model_false_needs_load_executable(tmp_path, monkeypatch):
                                              r"loadExecutable\(\"" + re.escape(path)):
         poptorch.load(path)
     expected, _, _ = _normal_losses([0, 1])
-    monkeypatch.setattr(compiler, "capture_training", _refuse)
+    monkeypatch.setattr(front, "capture_training", _refuse)
     fresh = _training()
     fresh.loadExecutable(path)
     assert [fresh(*classification_batch(4, seed=s))[1] for s in (0, 1)] == expected

@@ -85,7 +85,7 @@ def test_the_marking_leaves_the_numerics_bit_for_bit(name, monkeypatch):
     """The engine runs what the IR holds, marked or not: the same three
     steps without the pass give the very same weights."""
     marked, _, _ = _train(OPTIMIZERS[name])
-    from poptorchsim.runtime import update
+    from poptorchsim.passes import update
     monkeypatch.setattr(update, "mark_host_scalars", lambda graph, counters=(): graph)
     plain, _, tm = _train(OPTIMIZERS[name])
     assert not any(op.host_scalar for op in tm.getIR().graphs["optimizer_update"].ops)

@@ -83,10 +83,10 @@ def test_nothing_below_the_face_reads_options_private_values():
     assert not offenders, "options._values read below the face: " + ", ".join(offenders)
 
 
-@pytest.mark.parametrize("name, limit", [("runtime/compiler.py", 450)])
+@pytest.mark.parametrize("name, limit", [("passes/compile.py", 500), ("runtime/compiler.py", 60)])
 def test_the_compiler_driver_stays_short(name, limit):
     lines = (PACKAGE / name).read_text().count("\n")
-    assert lines <= limit, f"{name} has {lines} lines: move work into passes/ or machine/"
+    assert lines <= limit, f"{name} has {lines} lines: split it by job"
 
 
 def test_the_two_wings_never_import_each_other():
@@ -110,8 +110,8 @@ def test_the_two_wings_never_import_each_other():
 
 # the layers below the face, bottom first: a layer imports only layers of a lower
 # rank (and the shared vocabulary); layers of one rank never import each other
-RANK = {"ir": 0, "profiling": 0, "distributed": 0, "capture": 1, "passes": 2,
-        "machine": 3, "estimate": 3, "runtime": 4}
+RANK = {"ir": 0, "profiling": 0, "distributed": 0, "capture": 1, "machine": 2,
+        "estimate": 2, "passes": 3, "runtime": 4}
 
 
 def _layer_imports(path, root=PACKAGE):
@@ -152,6 +152,7 @@ def test_the_order_checker_sees_an_upward_import(tmp_path):
     probe.write_text("from ..ir import graph\nfrom ..machine import engine\nfrom . import lower\n"
                      "def f():\n    from ..estimate.cost import op_cost\n"
                      "import poptorchsim.runtime.config\n")
+    # passes/ may import machine and estimate, not runtime
     assert sorted(n for _, n in _layer_imports(probe, tmp_path)) == [
         "estimate", "ir", "machine", "runtime"]
 

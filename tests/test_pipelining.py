@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import poptorchsim as poptorch
 from conftest import LogRecords
-from poptorchsim.passes.pipeline import schedule
+from poptorchsim.estimate.schedule import schedule
 
 
 class Chain(nn.Module):

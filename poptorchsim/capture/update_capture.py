@@ -1,7 +1,7 @@
 """The optimizer update captured: the update rules (``update_rules.py``)
 traced with ``make_fx`` over every trainable parameter's layout, one trace
 per kind of parameter (dtypes, group, state slots) copied to each
-parameter's shape, merged as they are made.  ``runtime/update.py`` lowers
+parameter's shape, merged as they are made.  ``passes/update.py`` lowers
 the result.  (The model's step is captured in ``trace.py``.)"""
 import copy
 import dataclasses

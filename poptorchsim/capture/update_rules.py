@@ -4,8 +4,8 @@ says which rule, with which flags and state types, the graph is traced for.
 
 What PopTorch reads from an optimizer and refuses when it changes
 (``Settings``, ``read_settings``, ``check_replacement``) is in
-``runtime/optimizer_checks.py``; the optimizer state's layout (its slots,
-their types and PopART's names for them) in ``runtime/optimizer_state.py``.
+``capture/optimizer_checks.py``; the optimizer state's layout (its slots,
+their types and PopART's names for them) in ``passes/optimizer_state.py``.
 
 Structural choices (momentum present, nesterov, centered, bias correction,
 the types the state is stored in) are compiled in: ``UpdatePlan``.

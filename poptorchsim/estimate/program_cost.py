@@ -12,7 +12,7 @@ step            cycles
 Repeat          its body, ``count`` times.  The loop whose body calls the
                 model's graph (training: the accumulation loop; inference:
                 the device-iteration loop) runs its iterations as one
-                pipeline schedule (``passes.pipeline.schedule``) over the
+                pipeline schedule (``estimate/schedule.py``) over the
                 stages' forward and backward cycles; the accumulation loop
                 also adds every gradient into its accumulator once per
                 micro-batch (one vector pass and a sync)
@@ -40,7 +40,7 @@ import numpy as np
 
 from ..ir.graph import Call, Repeat, Sequence
 from ..ir.visitor import StepVisitor
-from ..passes.pipeline import schedule
+from .schedule import schedule
 from . import constants as K
 from .cost import exchange_cycles, op_cost
 

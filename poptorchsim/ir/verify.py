@@ -1,6 +1,6 @@
 """Checks the IR: a graph well formed (defined before use, single
 assignment), a program's declared fields and control steps.  Passes call
-``verify_graph``; with ``runtime.compiler.VERIFY_EACH_PASS`` the compiler
+``verify_graph``; with ``passes.manager.VERIFY_EACH_PASS`` the compiler
 calls ``verify_program`` after every pass."""
 from dataclasses import fields
 from typing import Any

@@ -48,7 +48,7 @@ class MemoryReport:
     recomputation: str = "None"
     recomputed_ops: list = field(default_factory=list)
     not_always_live_without_recomputation: Optional[np.ndarray] = None
-    # every IPU's report, on IPU 0's (runtime/compiler.py sets it)
+    # every IPU's report, on IPU 0's (passes/compile.py sets it)
     ipus: list = field(default_factory=list)
     # The parts of ``always_live`` besides the variables (``Code``): vertex
     # state (``VERTEX_STATE_BYTES`` per distinct op on each tile it runs on),

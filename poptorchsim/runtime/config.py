@@ -12,7 +12,7 @@ from .. import enums
 from ..estimate.targets import default_target, hardware_ipus
 from .engine_options import allow_out_of_memory
 from .popart_options import recomputation_type, synthetic_data_mode
-from .precision import auto_loss_scaling, settings as precision_settings
+from ..passes.precision import auto_loss_scaling, settings as precision_settings
 
 
 def _proportions(options):
@@ -61,7 +61,7 @@ class CompileConfig:
                                       # (in the cache key: it decides whether a model compiles)
     locations: dict = field(default_factory=dict)   # TensorLocations settings per kind
     io_tiles: int = 0
-    precision: dict = None            # runtime.precision.settings
+    precision: dict = None            # passes.precision.settings
     recomputation: object = None      # PopART's autoRecomputation (None: unset)
     sync_pattern: str = "Full"        # SyncPattern name
     running_mean: bool = False        # MeanReductionStrategy.Running over accumulation

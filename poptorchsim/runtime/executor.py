@@ -20,7 +20,7 @@ from ..machine import host_device
 from ..machine.call_state import OutputCollector
 from ..machine.engine import Engine
 from . import cache, compiler, export, lazy_weights, observe, replica_grouping
-from . import optimizer_checks as opt_checks
+from ..capture import optimizer_checks as opt_checks
 from .config import CompileConfig, output_mode
 from .engine_options import profiling_directory
 from .host_copies import _HostCopies
@@ -31,9 +31,9 @@ from .optimizer_handling import _OptimizerHandling
 from .popart_ir import popart_ir
 from . import popart_log
 from .session_options import parse as parse_options
-from .precision import GradientMonitor, keep_running_statistics_float
+from ..passes.precision import GradientMonitor, keep_running_statistics_float
 from .results import _SimulationResults
-from .update import update_plan
+from ..passes.update import update_plan
 from .weights import DeviceWeights
 
 logger = logging.getLogger("poptorchsim")

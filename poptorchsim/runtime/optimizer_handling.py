@@ -11,9 +11,9 @@ from .. import enums
 from ..machine.batching import batched_graph, serial_reason
 from ..machine.call_state import Accumulation
 from . import compiler
-from . import optimizer_checks as opt_checks
+from ..capture import optimizer_checks as opt_checks
 from . import optimizer_log
-from .update import check_loss_scaling, update_plan
+from ..passes.update import check_loss_scaling, update_plan
 
 
 class _OptimizerHandling:

@@ -23,9 +23,9 @@ from .. import enums
 from ..machine import host_device
 from ..machine.call_state import shard, unshard
 from ..machine.precision import LossScale
-from . import optimizer_state as opt_layout
+from ..passes import optimizer_state as opt_layout
 from .host_memory import keep_freed_memory
-from .optimizer_checks import read_settings
+from ..capture.optimizer_checks import read_settings
 
 _log = logging.getLogger("poptorchsim")
 

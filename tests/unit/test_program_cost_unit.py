@@ -14,7 +14,7 @@ from poptorchsim.estimate import constants as K
 from poptorchsim.estimate.cost import OpCost
 from poptorchsim.estimate.program_cost import estimate, link_cycles
 from poptorchsim.estimate.targets import MK2, TEST_IPU, with_io_tiles
-from poptorchsim.passes.pipeline import schedule
+from poptorchsim.estimate.schedule import schedule
 from poptorchsim.passes.placement import Placement, place
 from poptorchsim.passes.program import build_main
 

@@ -1,6 +1,6 @@
 """``Compiled``: what compiling a model gives the executor: the program, its
 estimate (memory, costs, cycles), the host functions that run it and what
-the optimizer update needs (``runtime/compiler.py`` builds it)."""
+the optimizer update needs (``passes/compile.py`` builds it)."""
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -12,9 +12,9 @@ from ..estimate.targets import Target
 from ..ir.graph import Program
 from ..machine.gradient_watch import GradientWatch
 from ..machine.rounding import Rounding
-from ..passes.loss_scaling import Settings as LossScalingSettings
-from ..passes.memory import MemoryReport
-from ..passes.pipeline import Schedule
+from .loss_scaling import Settings as LossScalingSettings
+from .memory import MemoryReport
+from ..estimate.schedule import Schedule
 
 
 @dataclass(kw_only=True)
@@ -43,7 +43,7 @@ class Compiled:
     layouts: list[ParamUpdate] = field(default_factory=list)   # per trainable param
     schedule: Optional[Schedule] = None   # the pipeline schedule of one weight update (or call)
     location_settings: dict = field(default_factory=dict)   # TensorLocations, as compiled
-    precision: Optional[dict] = None      # runtime.precision settings
+    precision: Optional[dict] = None      # passes.precision settings
     rounding: Optional[Rounding] = None   # stochastic rounding
     watch: Optional[GradientWatch] = None     # fp16 gradients
     auto_loss_scaling: Optional[LossScalingSettings] = None

@@ -3,15 +3,16 @@
 host's scalar arithmetic marked; its sharding over replicas and the
 loss-scale update automatic loss scaling adds to it."""
 from dataclasses import dataclass
+from typing import Optional
 
 from ..capture.update_capture import ParamUpdate, capture_update
 from ..capture.update_rules import plan_update
 from ..errors import Error
-from ..passes import locations as tensor_locations
-from ..passes.host_scalars import mark_host_scalars
-from ..passes.lower import lower, mark_role
+from . import locations as tensor_locations
+from .host_scalars import mark_host_scalars
+from .lower import lower, mark_role
 from . import optimizer_state as opt_layout
-from .optimizer_checks import read_settings
+from ..capture.optimizer_checks import read_settings
 
 
 def update_plan(optimizer, ga, running_mean=False, auto_loss_scaling=False):
@@ -35,7 +36,7 @@ class UpdateGraph:
     flags: list
     slots: list
     layouts: list
-    traces: dict = None       # the rules traced per parameter layout (capture_update)
+    traces: Optional[dict] = None   # the rules traced per parameter layout (capture_update)
 
 
 def build_update(model, optimizer, capture, plan, shards=None, unit_scale=False, traces=None):

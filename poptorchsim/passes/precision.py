@@ -11,7 +11,7 @@ from ..errors import Error
 from ..machine.gradient_watch import GradientWatch
 from ..machine.precision import Rounding, mark_partials
 from ..machine.streams import Streams
-from ..passes.loss_scaling import (add_gradient_statistics, add_loss_scale_update,
+from .loss_scaling import (add_gradient_statistics, add_loss_scale_update,
                                    mark_watched, settings as loss_scaling_settings)
 
 logger = logging.getLogger("poptorchsim")
