@@ -32,7 +32,7 @@ def child(cache_dir, build, out):
     import torchvision
 
     import poptorchsim as poptorch
-    from poptorchsim.runtime import cache
+    from poptorchsim.runtime.executables import cache
     # the parent's build id: others may edit poptorchsim's sources while this runs
     cache.build_id = lambda: build
 
@@ -81,7 +81,7 @@ def main():
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from poptorchsim.runtime import cache
+    from poptorchsim.runtime.executables import cache
     build = cache.build_id()
     cold, warm = [], []
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,7 +27,7 @@ sys.path.insert(0, HERE)
 import fidelity  # noqa: E402 - after the sys.path insert above
 
 import poptorchsim as poptorch  # noqa: E402 - after the sys.path insert above
-from poptorchsim.runtime.planner import Configuration, Planner  # noqa: E402 - after the sys.path insert above
+from poptorchsim.runtime.planning.planner import Configuration, Planner  # noqa: E402 - after the sys.path insert above
 
 
 def _options(**precision):

@@ -34,7 +34,7 @@ from .options import ConfigFileError, Options, TensorLocationSettings
 from ._api import op_library as _op_library  # defines torch.ops.poptorch
 from ._api.printing import module_repr, print  # PopTorch's poptorch.print
 from ._api.overlap import set_overlap_for_input, set_overlap_for_output
-from .runtime.executor import PoplarExecutor
+from .runtime.executor.executor import PoplarExecutor
 from .machine.host_device import choose as setHostDevice  # docs/host_device.md
 from .machine.host_device import current as hostDevice
 
@@ -177,7 +177,7 @@ def _frozen_clone(options, training):
     """The model's own options: a frozen copy whose output mode says which
     mode the model runs with (``Default`` resolved, as PopTorch's
     ``model.options.output_mode`` does); the user's Options keep Default."""
-    from .runtime.config import output_mode
+    from .runtime.settings.config import output_mode
     clone = options.clone()
     mode = output_mode(clone, training)
     if mode != OutputMode(clone.output_mode):
@@ -196,7 +196,7 @@ def load(filename, edit_opts_fn=None):
     >>> model = poptorch.load("my_model.poptorch")
     >>> model(my_input)
     """
-    from .runtime import export
+    from .runtime.executables import export
     return export.load(filename, edit_opts_fn, trainingModel, inferenceModel)
 
 
@@ -226,7 +226,7 @@ def suggest_split(model, num_ipus, *example_inputs, optimizer=None, training=Tru
     settings the split is compiled with (memory proportion, optimizer state
     location, precision)."""
     from .estimate.targets import default_target
-    from .runtime.autosplit import suggest_split as _suggest
+    from .runtime.planning.autosplit import suggest_split as _suggest
     version = options._values.get("ipu_model_version") if options is not None else None
     return _suggest(model, num_ipus, *example_inputs, optimizer=optimizer,
                     training=training, target=default_target(version), options=options)
@@ -243,24 +243,24 @@ def plan(model, example_inputs, ipus=16, optimizer=None, options=None, **search)
     fail); ``.best``, ``.plot(path)``, ``.to_json()``. ``example_inputs``:
     one micro-batch (its first sample is repeated to each micro-batch
     size); ``options``: the settings kept (precision, loss scaling, IPU
-    model). Keyword arguments go to ``runtime.planner.Planner.search``
+    model). Keyword arguments go to ``runtime.planning.planner.Planner.search``
     (``micro_batches``, ``global_batch``, ``ipus_per_replica``, ``amps``,
     ``optimizer_states``, ``partials``, ``recomputations``, ``include``).
     docs/sizing.md walks through it."""
-    from .runtime.planner import plan as _plan
+    from .runtime.planning.planner import plan as _plan
     return _plan(model, example_inputs, ipus, optimizer, options, **search)
 
 
 def registerPreCompileHook(hook):
     """Calls ``hook()`` before every model compilation (hooks run in the
     order they were registered); ``handle.remove()`` unregisters it."""
-    from .runtime import observe
+    from .runtime.executor import observe
     return observe.register_hook(observe.PRE_COMPILE_HOOKS, hook, "Pre")
 
 
 def registerPostCompileHook(hook):
     """Calls ``hook()`` after every model compilation, also a failed one."""
-    from .runtime import observe
+    from .runtime.executor import observe
     return observe.register_hook(observe.POST_COMPILE_HOOKS, hook, "Post")
 
 

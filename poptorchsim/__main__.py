@@ -5,7 +5,7 @@ with the five cost-model constants each estimate depends on most
 (``executor.estimateSensitivity()``);
 ``python -m poptorchsim ops DIR`` lists the ATen operations each model uses,
 with their cost class and cycles; ``python -m poptorchsim plan SCRIPT`` searches
-the IPU configurations SCRIPT's model could train in (``runtime/planner.py``);
+the IPU configurations SCRIPT's model could train in (``runtime/planning/planner.py``);
 ``python -m poptorchsim validate`` compares the estimate with Poplar's own IPU
 Model figures layer by layer (``validation``), so you know how far to trust it."""
 import argparse
@@ -48,7 +48,7 @@ def _plan(args):
     define ``optimizer`` and ``options``) and plans its configurations."""
     import runpy
 
-    from .runtime.planner import plan
+    from .runtime.planning.planner import plan
     sys.argv = [args.script] + list(args.script_args)
     try:
         space = runpy.run_path(args.script, run_name="__poptorchsim_plan__")

@@ -274,7 +274,7 @@ class Options(_CompilerOptions, _OptionsDict):
     def enableExecutableCaching(self, path):
         """Keeps compiled executables in the folder ``path`` and loads them
         from there instead of compiling the same model again (see
-        ``runtime/cache.py`` for what the key covers); None turns it off."""
+        ``runtime/executables/cache.py`` for what the key covers); None turns it off."""
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise Error(f"enableExecutableCaching expects a folder path (str) or None "
                         f"(got {type(path)})")
@@ -312,7 +312,7 @@ class Options(_CompilerOptions, _OptionsDict):
             available_memory_proportion)
         return self
 
-    # -- observing (runtime/observe.py) ------------------------------------------------
+    # -- observing (runtime/executor/observe.py) ------------------------------------------------
     def anchorTensor(self, short_name, long_name, output_mode=None, output_return_period=1):
         """Returns the tensor ``long_name`` (a name from
         ``PoplarExecutor.getTensorNames()``, e.g. ``"Gradient___fc2.bias"``)

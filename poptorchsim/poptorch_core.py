@@ -16,7 +16,7 @@ import sys
 
 from .errors import Error, RecoverableError, UnrecoverableError
 from .ops import ipuHardwareVersion  # poptorch_core.ipuHardwareVersion
-from .runtime.session_options import parse as _parse_options
+from .runtime.settings.session_options import parse as _parse_options
 
 __all__ = ["Error", "RecoverableError", "UnrecoverableError", "TestErrorType",
            "isCompilingWithDispatcher", "ipuHardwareVersion", "_validateOptions"]
@@ -96,5 +96,5 @@ def isCompilingWithDispatcher():
 def _validateOptions(options_dict):
     """PopTorch's backend's parse of ``Options.toDict()``: ``Error`` for an
     unknown option or a value no option takes; each option set logged at
-    debug level (``runtime/session_options.py``)."""
+    debug level (``runtime/settings/session_options.py``)."""
     _parse_options(options_dict)

@@ -16,7 +16,7 @@ import torch
 
 import poptorchsim as poptorch
 from poptorchsim.passes import front
-from poptorchsim.runtime import cache
+from poptorchsim.runtime.executables import cache
 from conftest import ClassifierWithLoss, classification_batch, quiet_options, reference_call
 
 

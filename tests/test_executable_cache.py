@@ -16,7 +16,7 @@ import torch
 import exe_cache_script
 import poptorchsim as poptorch
 from poptorchsim.passes import front
-from poptorchsim.runtime import cache, export
+from poptorchsim.runtime.executables import cache, export
 from conftest import (ClassifierWithLoss, classification_batch, quiet_options,
                       reference_call)
 

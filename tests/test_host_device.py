@@ -1,6 +1,6 @@
 """The host device (``poptorchsim/machine/host_device.py``): choosing it,
 and the device state kept apart from the user's model with lazy copies
-back (``runtime/lazy_weights.py``).
+back (``runtime/state/lazy_weights.py``).
 
 Without a GPU, the CUDA path's own bookkeeping runs on the CPU by keeping
 the device state apart there too (``weights.separate_copy``): the same
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import poptorchsim as poptorch
-from poptorchsim.runtime import weights as device_weights
+from poptorchsim.runtime.state import weights as device_weights
 
 CUDA = torch.cuda.is_available()
 

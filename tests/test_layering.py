@@ -7,7 +7,7 @@ runtime/, profiling/ or distributed/ imports the face (the PopTorch API
 modules at the top level and their private machinery in ``_api/``), except
 its shared vocabulary (``errors``, ``enums``, ``version``).  Nothing below
 the face reads an ``Options`` object's private ``_values``: the runtime
-resolves options once into ``runtime.config.CompileConfig``.  The compiler
+resolves options once into ``runtime.settings.config.CompileConfig``.  The compiler
 driver stays a short, ordered list of passes.
 """
 import ast
@@ -151,7 +151,7 @@ def test_the_order_checker_sees_an_upward_import(tmp_path):
     probe = tmp_path / "passes" / "probe.py"
     probe.write_text("from ..ir import graph\nfrom ..machine import engine\nfrom . import lower\n"
                      "def f():\n    from ..estimate.cost import op_cost\n"
-                     "import poptorchsim.runtime.config\n")
+                     "import poptorchsim.runtime.settings.config\n")
     # passes/ may import machine and estimate, not runtime
     assert sorted(n for _, n in _layer_imports(probe, tmp_path)) == [
         "estimate", "ir", "machine", "runtime"]
@@ -159,7 +159,7 @@ def test_the_order_checker_sees_an_upward_import(tmp_path):
 
 # private names imported from another module below the face, and why they may be
 PRIVATE_EXEMPT = {
-    "runtime/executor.py": "the executor's mix-ins (_HostCopies, _OptimizerHandling, "
+    "runtime/executor/executor.py": "the executor's mix-ins (_HostCopies, _OptimizerHandling, "
                            "_SimulationResults), one class spread over four files",
 }
 

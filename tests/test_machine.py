@@ -261,7 +261,7 @@ def test_host_malloc_policy_is_applied_once_and_can_be_left_alone(monkeypatch):
     keeps freed memory in the heap (no page faults per step);
     POPTORCHSIM_HOST_MALLOC=system leaves malloc alone, anything else warns."""
     import platform
-    from poptorchsim.runtime import host_memory
+    from poptorchsim.runtime.state import host_memory
     monkeypatch.setitem(host_memory._state, "applied", None)
     monkeypatch.setenv("POPTORCHSIM_HOST_MALLOC", "system")
     assert host_memory.keep_freed_memory() is False

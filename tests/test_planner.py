@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import poptorchsim as poptorch
-from poptorchsim.runtime.planner import Configuration, Planner, UnitPlacement, stages_of
+from poptorchsim.runtime.planning.planner import Configuration, Planner, UnitPlacement, stages_of
 
 
 class Stack(nn.Module):

@@ -10,7 +10,7 @@ import torch.nn as nn
 import poptorchsim as poptorch
 from conftest import LogRecords
 from poptorchsim import popart
-from poptorchsim.runtime import popart_options
+from poptorchsim.runtime.settings import popart_options
 
 
 # -- values read in PopART's sources (willow/include/popart/*.hpp, popart.cpp) ----------
@@ -119,7 +119,7 @@ def test_auto_recomputation_as_enum_compiles_as_the_int():
 def test_synthetic_data_mode_is_honoured():
     opts = poptorch.Options()
     opts._Popart.set("syntheticDataMode", popart.SyntheticDataMode.RandomNormal)
-    from poptorchsim.runtime.config import CompileConfig
+    from poptorchsim.runtime.settings.config import CompileConfig
     assert CompileConfig.from_options(opts, False).synthetic
     assert not CompileConfig.from_options(poptorch.Options(), False).synthetic
     opts = poptorch.Options()

@@ -12,7 +12,7 @@ import enum
 import os
 
 from .. import enums
-from ..runtime import popart_options
+from ..runtime.settings import popart_options
 
 FROZEN_MESSAGE = "Can't modify frozen Options"
 
@@ -377,7 +377,7 @@ class _PopartOptions(_OptionsDict):
     """``Options._Popart``: PopART's session options, stored as given (a
     PopART enum member, ``popart.RecomputationType.Standard``, as its int).
 
-    The simulator reads the ones it models (``runtime/popart_options.py``'s
+    The simulator reads the ones it models (``runtime/settings/popart_options.py``'s
     ``MODELLED``: ``autoRecomputation``, ``syntheticDataMode``,
     ``automaticLossScalingSettings.*``, ...); setting any other logs once
     per option name that the simulation ignores it.  Its values live in

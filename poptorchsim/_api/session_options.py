@@ -1,5 +1,5 @@
 """PopTorch's options as its backend takes them: ``Options.toDict()`` (the
-backend's parse of that dictionary is ``runtime/session_options.py``).
+backend's parse of that dictionary is ``runtime/settings/session_options.py``).
 
 ``Options.toDict()`` merges every option into one flat dictionary, as
 PopTorch's does: the execution strategy's backend options, the PopART

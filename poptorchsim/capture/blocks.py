@@ -7,7 +7,7 @@ annotation).  Outside tracing these calls do nothing.  Backward nodes are
 given blocks later, from the forward nodes they read (``assign_blocks``).
 
 ``BlockHook`` is the forward pre-hook ``BeginBlock`` puts on a module
-(``add_block_hook``); the auto-split (``runtime/autosplit.py``) adds the same
+(``add_block_hook``); the auto-split (``runtime/planning/autosplit.py``) adds the same
 hooks with ``begin_block``.
 """
 import contextlib

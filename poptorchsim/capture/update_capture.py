@@ -83,7 +83,7 @@ def capture_update(plan, layouts, n_groups, unit_scale=False, traces=None):
     n_h, n_g = len(plan.hyper), len(plan.globals)
     if plan.max_grad_norm is None and layouts:
         # the whole update kept too: the planner compiles the same update
-        # under many configurations (runtime/planner.py)
+        # under many configurations (runtime/planning/planner.py)
         key = ("update", plan, tuple(layouts), n_groups, unit_scale)
         try:
             stitched = traces.get(key) if traces is not None else None

@@ -7,7 +7,7 @@ optimizer state and accumulators of an executable live there, with its
 random streams, fp16 partials, stochastic rounding and batched
 micro-batches.  Inputs go to it from pinned memory, without waiting;
 outputs come back to the CPU as PopTorch returns them; the user's model
-gets the trained weights when it reads them (``runtime/weights.py``).  The
+gets the trained weights when it reads them (``runtime/state/weights.py``).  The
 IR, the estimate, ``getIR()`` and the reports do not depend on it.
 
 Chosen three ways, the first found wins:

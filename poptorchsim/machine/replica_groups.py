@@ -1,4 +1,4 @@
-"""The engine's side of replica-grouped weights (``runtime/replica_grouping.py``).
+"""The engine's side of replica-grouped weights (``runtime/executor/replica_grouping.py``).
 
 A grouped weight's device tensor holds a row per group of replicas.
 ``groups`` maps the index of each grouped parameter (in the step's

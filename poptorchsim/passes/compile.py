@@ -69,11 +69,11 @@ from .update import (UpdateGraph, build_update, check_loss_scaling, numeric_upda
 class Compilation:
     """One compile: what the passes are given beside the program (the
     model, its optimizer, the example micro-batch, the resolved
-    ``runtime.config.CompileConfig``) and what they make beside it (the
+    ``runtime.settings.config.CompileConfig``) and what they make beside it (the
     trace, the update graphs, the op costs, the memory reports, the cycle
     estimate, the generated code), from which ``Compiled`` is built."""
     model: torch.nn.Module
-    config: Any                           # runtime.config.CompileConfig
+    config: Any                           # runtime.settings.config.CompileConfig
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     optimizer: Optional[torch.optim.Optimizer] = None
@@ -351,9 +351,9 @@ def _until(passes, last):
 def compile_training(model, optimizer, args, kwargs, config, capture=None, traces=None,
                      estimate_only=False):
     """``model`` and ``optimizer`` compiled for the example micro-batch
-    ``args``/``kwargs`` under ``config`` (a ``runtime.config.CompileConfig``).
+    ``args``/``kwargs`` under ``config`` (a ``runtime.settings.config.CompileConfig``).
 
-    The planner (``runtime.planner``) compiles one model under many
+    The planner (``runtime.planning.planner``) compiles one model under many
     configurations: ``capture``, an earlier compile's trace of the same
     model, micro-batch and loss scaling, skips tracing; ``traces`` (a dict
     kept between compiles) keeps the optimizer's traced update rules;

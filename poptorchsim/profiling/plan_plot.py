@@ -3,7 +3,7 @@ import textwrap
 
 
 def plot_plan(result, path):
-    """A PNG of ``result`` (a ``runtime.plan_result.PlanResult``): one point
+    """A PNG of ``result`` (a ``runtime.planning.plan_result.PlanResult``): one point
     per configuration (fitting ones filled, the rest crosses), the best one
     ringed, the configurations given to evaluate starred."""
     import matplotlib

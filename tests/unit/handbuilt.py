@@ -16,7 +16,7 @@ no compiler.
 * ``training_program`` / ``inference_program``: the program around them,
   tile-mapped on a target, ready for ``passes.program.build_main``.
 * ``device_state``: the ``state`` object the engine runs on
-  (``runtime.weights.DeviceState``).
+  (``runtime.state.weights.DeviceState``).
 """
 import contextlib
 
@@ -27,7 +27,7 @@ from poptorchsim.ir.ops import cost_class
 from poptorchsim.estimate.targets import TEST_IPU
 from poptorchsim.passes.pipeline import input_ipus
 from poptorchsim.passes.tile_mapping import map_graph
-from poptorchsim.runtime.weights import DeviceState
+from poptorchsim.runtime.state.weights import DeviceState
 
 aten = torch.ops.aten
 F32 = torch.float32

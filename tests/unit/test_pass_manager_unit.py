@@ -8,7 +8,7 @@ from poptorchsim.passes import compile as compile_passes
 from poptorchsim.passes.compile import INFERENCE, REBUILD_UPDATE, TRAINING, Compilation
 from poptorchsim.passes.contracts import LOWERED, PLACED, TRACED
 from poptorchsim.passes.manager import Contract, Pass, PassContractError, PassManager
-from poptorchsim.runtime.config import CompileConfig
+from poptorchsim.runtime.settings.config import CompileConfig
 
 
 def _inference_compile(passes, check=True):

@@ -13,28 +13,31 @@ import logging
 import torch
 import torch.utils._pytree as pytree
 
-from .. import enums
-from ..capture.scopes import module_name_scopes
-from ..errors import Error, FloatingPointException
-from ..machine import host_device
-from ..machine.call_state import OutputCollector
-from ..machine.engine import Engine
-from . import cache, compiler, export, lazy_weights, observe, replica_grouping
-from ..capture import optimizer_checks as opt_checks
-from .config import CompileConfig, output_mode
-from .engine_options import profiling_directory
+from ... import enums
+from ...capture.scopes import module_name_scopes
+from ...errors import Error, FloatingPointException
+from ...machine import host_device
+from ...machine.call_state import OutputCollector
+from ...machine.engine import Engine
+from ..executables import cache, export
+from .. import compiler
+from ..state import lazy_weights
+from . import observe, replica_grouping
+from ...capture import optimizer_checks as opt_checks
+from ..settings.config import CompileConfig, output_mode
+from ..settings.engine_options import profiling_directory
 from .host_copies import _HostCopies
-from .host_memory import give_back_freed_memory
+from ..state.host_memory import give_back_freed_memory
 from .inputs import ModelInputs
-from .no_weights import has_meta_state, no_weights_error, require_weights
+from ..state.no_weights import has_meta_state, no_weights_error, require_weights
 from .optimizer_handling import _OptimizerHandling
-from .popart_ir import popart_ir
-from . import popart_log
-from .session_options import parse as parse_options
-from ..passes.precision import GradientMonitor, keep_running_statistics_float
+from ..reports.popart_ir import popart_ir
+from ..reports import popart_log
+from ..settings.session_options import parse as parse_options
+from ...passes.precision import GradientMonitor, keep_running_statistics_float
 from .results import _SimulationResults
-from ..passes.update import update_plan
-from .weights import DeviceWeights
+from ...passes.update import update_plan
+from ..state.weights import DeviceWeights
 
 logger = logging.getLogger("poptorchsim")
 
@@ -196,7 +199,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         directory = profiling_directory(o)
         if directory is not None:
             import os
-            from ..profiling import write_report
+            from ...profiling import write_report
             write_report(self.simulationReport(sensitivity=True),
                          os.path.join(directory, self._model_name()))
         step = next(iter(compiled.program.graphs.values()))
@@ -233,7 +236,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         d = self._options.Distributed
         if d.numProcesses <= 1 or not self._training:
             return None
-        from ..distributed import process_group
+        from ...distributed import process_group
         return process_group(d.processId, d.numProcesses)
 
     def _shard_index(self):

@@ -2,9 +2,9 @@
 estimate, the fp16 report, sensitivity, the JSON report, PopTorch's
 performance counters and latencies, the compilation time.  ``executor.py``
 mixes ``_SimulationResults`` into ``PoplarExecutor``."""
-from ..errors import Error
-from . import compiler
-from .perf import call_timeline, latency
+from ...errors import Error
+from .. import compiler
+from ..reports.perf import call_timeline, latency
 
 
 class _SimulationResults:
@@ -50,7 +50,7 @@ class _SimulationResults:
         estimate with it x0.8 (``low``) and x1.2 (``high``), the constants
         that move it most first (``top`` of them, or all).  Only the costs
         are recomputed, not the graph."""
-        from .sensitivity import sensitivity
+        from ..planning.sensitivity import sensitivity
         self._require_compiled()
         amp = self._options.available_memory_proportion.get("IPU0", 0.6)
         rows = [r.as_dict() for r in sensitivity(self._compiled, amp)]
@@ -59,7 +59,7 @@ class _SimulationResults:
     def simulationReport(self, sensitivity=False):
         """Memory per tile, cycles per call and per op, liveness: a JSON-ready dict
         (with ``sensitivity=True`` also ``estimateSensitivity()``'s rows)."""
-        from .report import build_report
+        from ..reports.report import build_report
         self._require_compiled()
         di, ga, rf = self._input_factors()        # the samples one call takes
         micro = self._compiled.capture.example_inputs

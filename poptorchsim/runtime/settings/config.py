@@ -8,11 +8,11 @@ private storage.
 """
 from dataclasses import dataclass, field, fields
 
-from .. import enums
-from ..estimate.targets import default_target, hardware_ipus
+from ... import enums
+from ...estimate.targets import default_target, hardware_ipus
 from .engine_options import allow_out_of_memory
 from .popart_options import recomputation_type, synthetic_data_mode
-from ..passes.precision import auto_loss_scaling, settings as precision_settings
+from ...passes.precision import auto_loss_scaling, settings as precision_settings
 
 
 def _proportions(options):

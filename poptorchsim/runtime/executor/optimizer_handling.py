@@ -7,13 +7,13 @@ import logging
 
 import torch
 
-from .. import enums
-from ..machine.batching import batched_graph, serial_reason
-from ..machine.call_state import Accumulation
-from . import compiler
-from ..capture import optimizer_checks as opt_checks
-from . import optimizer_log
-from ..passes.update import check_loss_scaling, update_plan
+from ... import enums
+from ...machine.batching import batched_graph, serial_reason
+from ...machine.call_state import Accumulation
+from .. import compiler
+from ...capture import optimizer_checks as opt_checks
+from ..reports import optimizer_log
+from ...passes.update import check_loss_scaling, update_plan
 
 
 class _OptimizerHandling:

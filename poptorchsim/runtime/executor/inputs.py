@@ -10,8 +10,8 @@ writes inputs that ``forward`` changed in place back to the caller's tensors.
 import torch
 import torch.utils._pytree as pytree
 
-from ..capture.trace import bind_inputs, forward_signature, register_dict_types
-from ..errors import BatchDimensionError, Error, InputMismatchError
+from ...capture.trace import bind_inputs, forward_signature, register_dict_types
+from ...errors import BatchDimensionError, Error, InputMismatchError
 
 MISMATCH_SUFFIX = (
     "\nThis error occurred because the inputs passed at runtime don't match the "

@@ -7,7 +7,7 @@ model calls them in; the model never runs), reads each layer's cycles
 gradients and activations) from the machine model, and splits the layers, in
 execution order, into ``num_ipus`` contiguous groups that balance the cycles
 within the memory.  The split is then compiled as a pipeline (the planner's
-``runtime.planner.Planner``, reusing the trace) and every IPU's fullest tile
+``runtime.planning.planner.Planner``, reusing the trace) and every IPU's fullest tile
 checked; where it does not fit, the plan names how many IPUs do
 (``num_ipus=None``: the fewest that fit).  The plan explains itself and
 applies in one line: ``suggest_split(...).apply(model)``.
@@ -15,9 +15,9 @@ applies in one line: ``suggest_split(...).apply(model)``.
 from dataclasses import dataclass, field, replace
 
 
-from ..capture import blocks as _blocks
-from ..errors import Error
-from ..estimate.targets import default_target
+from ...capture import blocks as _blocks
+from ...errors import Error
+from ...estimate.targets import default_target
 
 
 @dataclass

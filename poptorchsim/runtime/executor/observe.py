@@ -18,10 +18,10 @@ import logging
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .. import enums
-from ..errors import Error
-from ..machine.codegen import compile_graph
-from ..machine.call_state import OutputCollector
+from ... import enums
+from ...errors import Error
+from ...machine.codegen import compile_graph
+from ...machine.call_state import OutputCollector
 
 logger = logging.getLogger("poptorchsim")
 

@@ -8,8 +8,8 @@ host.  It has no values to run on, so the executor uploads nothing (no
 device copy of the weights, buffers or optimizer state is made) and every
 call that needs values raises ``NoWeightsError``, the executor unchanged.
 """
-from ..capture.weightless import has_meta_state, meta_tensors
-from ..errors import NoWeightsError
+from ...capture.weightless import has_meta_state, meta_tensors
+from ...errors import NoWeightsError
 
 
 def no_weights_error(model, what):

@@ -8,7 +8,7 @@ Poplar takes them ("true", "false").
 import json
 import os
 
-from ..errors import Error
+from ...errors import Error
 
 
 def _truthy(value):

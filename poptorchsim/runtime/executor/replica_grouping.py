@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-from .. import enums
-from ..errors import Error
+from ... import enums
+from ...errors import Error
 
 
 class ReplicaGrouping(NamedTuple):

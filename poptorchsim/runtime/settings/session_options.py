@@ -6,7 +6,7 @@ PopTorch's backend logs it (``poptorch.Options set <name> to value
 compile: an unknown option fails the compile, as in PopTorch."""
 import logging
 
-from ..errors import Error
+from ...errors import Error
 
 _log = logging.getLogger("poptorchsim")
 

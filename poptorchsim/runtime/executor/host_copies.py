@@ -11,7 +11,7 @@ layout PopTorch's ``[seed] + getRngState()`` has.  ``executor.py`` mixes
 """
 import torch
 
-from ..errors import Error
+from ...errors import Error
 
 
 class _HostCopies:

@@ -46,9 +46,9 @@ import types
 import torch
 import torch.utils._pytree as pytree
 
-from ..ir.graph import all_ops
-from ..machine.codegen import compile_graph
-from ..version import __version__
+from ...ir.graph import all_ops
+from ...machine.codegen import compile_graph
+from ...version import __version__
 
 logger = logging.getLogger("poptorchsim")
 
@@ -265,8 +265,8 @@ def _inputs_text(inputs, describe):
 def _optimizer_text(model, optimizer):
     if optimizer is None:
         return "none"
-    from ..capture.update_rules import plan_update
-    from ..capture.optimizer_checks import read_settings
+    from ...capture.update_rules import plan_update
+    from ...capture.optimizer_checks import read_settings
     # the structure of the update (type, flags, state types, loss scaling,
     # clipping); gradient accumulation and the reduction are in the options
     plan = plan_update(optimizer, read_settings(optimizer))
@@ -307,7 +307,7 @@ def key_for_compiler(training, args, kwargs, extra):
     new compiler setting is in the key at once.  ``extra``: what else shapes
     it (module name scopes)."""
     model, optimizer = args[0], (args[1] if training else None)
-    config = args[-1]           # a runtime.config.CompileConfig: what shapes the program
+    config = args[-1]           # a runtime.settings.config.CompileConfig: what shapes the program
     settings = config.key()
     return executable_key(model, optimizer, training, tuple(args[-3:-1]),
                           {**settings, **extra})

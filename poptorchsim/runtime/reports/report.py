@@ -5,8 +5,8 @@ disk as JSON, PNG plots and an HTML page.  Arrays over tiles are lists.
 """
 import numpy as np
 
-from ..machine.precision import HALF, rounds_stochastically, uses_half_partials
-from ..passes.memory import dtype_name
+from ...machine.precision import HALF, rounds_stochastically, uses_half_partials
+from ...passes.memory import dtype_name
 
 
 def _calls_per_call(program, graph_name):

@@ -11,9 +11,9 @@ fifth.
 """
 from dataclasses import dataclass
 
-from ..estimate import constants as K
-from ..estimate.cost import op_cost
-from ..estimate.program_cost import estimate
+from ...estimate import constants as K
+from ...estimate.cost import op_cost
+from ...estimate.program_cost import estimate
 
 #: constants that only the whole-call estimate reads (not one op's cost):
 #: varying them reuses the ops' costs

@@ -14,18 +14,18 @@ name that the simulation ignores them.
 """
 import logging
 
-from ..errors import Error
-from ..passes.recompute import MODES as RECOMPUTATION_TYPES
+from ...errors import Error
+from ...passes.recompute import MODES as RECOMPUTATION_TYPES
 
 # The PopART options something below reads, and what reads them.
 MODELLED = {
     "autoRecomputation": "passes/recompute.py",
-    "syntheticDataMode": "runtime/config.py (no host streams)",
-    "engineOptions": "runtime/engine_options.py",
-    "instrumentWithHardwareCycleCounter": "runtime/observe.py",
-    "updatableNamedBuffers": "runtime/observe.py",
-    "enableEngineCaching": "runtime/cache.py",
-    "cachePath": "runtime/cache.py",
+    "syntheticDataMode": "runtime/settings/config.py (no host streams)",
+    "engineOptions": "runtime/settings/engine_options.py",
+    "instrumentWithHardwareCycleCounter": "runtime/executor/observe.py",
+    "updatableNamedBuffers": "runtime/executor/observe.py",
+    "enableEngineCaching": "runtime/executables/cache.py",
+    "cachePath": "runtime/executables/cache.py",
     "rearrangeAnchorsOnHost": "(host-side anchor layout: no cost in the simulation)",
 }
 MODELLED_PREFIXES = ("automaticLossScalingSettings.",)     # passes/loss_scaling.py

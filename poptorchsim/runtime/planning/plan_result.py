@@ -1,4 +1,4 @@
-"""What the planner (``runtime/planner.py``) finds: a ``Configuration``
+"""What the planner (``runtime/planning/planner.py``) finds: a ``Configuration``
 (one way to train the model on the IPUs), its ``Evaluated`` compile, and the
 ranked ``PlanResult`` with the table a person reads and its JSON."""
 from dataclasses import dataclass, field
@@ -141,5 +141,5 @@ class PlanResult:
         """A PNG: estimated throughput against memory headroom, one point per
         configuration (fitting ones filled), the best and the included ones
         marked (``profiling.plan_plot``)."""
-        from ..profiling.plan_plot import plot_plan
+        from ...profiling.plan_plot import plot_plan
         return plot_plan(self, path)

@@ -16,9 +16,9 @@ import pickle
 import torch
 import torch.utils._pytree as pytree
 
-from .. import enums
-from ..errors import Error, ExecutableFileError
-from ..version import __version__
+from ... import enums
+from ...errors import Error, ExecutableFileError
+from ...version import __version__
 from . import cache
 
 logger = logging.getLogger("poptorchsim")

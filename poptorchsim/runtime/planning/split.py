@@ -1,5 +1,5 @@
 """Splitting a model's layers over IPUs, shared by the planner
-(``runtime/planner.py``) and ``suggest_split`` (``runtime/autosplit.py``):
+(``runtime/planning/planner.py``) and ``suggest_split`` (``runtime/planning/autosplit.py``):
 the placement that measures every layer on its own, and the contiguous
 partition of the layers that balances their cycles within the memory."""
 

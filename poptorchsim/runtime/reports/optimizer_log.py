@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from ..capture.optimizer_checks import GROUP_VARS
+from ...capture.optimizer_checks import GROUP_VARS
 
 # PopTorch's type name -> the name its debug line prints
 _PRINTED_TYPE = {"LAMB_NO_BIAS": "LAMB", "ADAMW_NO_BIAS": "ADAMW",

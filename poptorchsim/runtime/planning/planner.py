@@ -31,11 +31,11 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm.auto import tqdm
 
-from ..capture import blocks as _blocks
-from ..errors import Error
-from . import compiler
+from ...capture import blocks as _blocks
+from ...errors import Error
+from .. import compiler
 from .split import OneStagePerBlock, partition
-from .config import CompileConfig
+from ..settings.config import CompileConfig
 from .plan_result import Configuration, Evaluated, PlanResult  # the planner's API
 
 #: where the optimizer state lives -> TensorLocations settings

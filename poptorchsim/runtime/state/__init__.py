@@ -1,0 +1,2 @@
+"""runtime/state/: the device copy of a model's state and the host's memory
+while programs run."""
