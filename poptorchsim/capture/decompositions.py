@@ -18,6 +18,7 @@ from torch._decomp import core_aten_decompositions, decomposition_table, get_dec
 
 from torch.overrides import TorchFunctionMode
 
+from . import ctc_loss
 from ..errors import DataDependentError, Error
 from ..ir.ops import is_native
 
@@ -96,6 +97,9 @@ class TraceableForms(TorchFunctionMode):
       length is ``minlength`` (on the IPU the minimum length is also the
       maximum: values from ``n`` up are not counted); traced as a
       scatter-add into ``n`` bins;
+    * ``F.ctc_loss`` / ``torch.ctc_loss``: ATen's kernel reads the lengths
+      on the host and its backward's shapes depend on them; traced as the
+      same recursion over fixed shapes (``capture/ctc_loss.py``);
     * ``out=`` arguments (``torch.matmul(a, b, out=c)``): the result is
       computed, then copied into ``out`` (which functionalization handles,
       under autograd too)."""
@@ -106,6 +110,10 @@ class TraceableForms(TorchFunctionMode):
             return _one_hot(*args, **kwargs)
         if func is torch.bincount or func is torch.Tensor.bincount:
             return _bincount(*args, **kwargs)
+        if func is torch.nn.functional.ctc_loss:
+            return ctc_loss.ctc_loss(*args, **kwargs)
+        if func is torch.ctc_loss:
+            return ctc_loss.aten_ctc_loss(*args, **kwargs)
         out = kwargs.get("out")
         if out is not None:
             result = func(*args, **{k: v for k, v in kwargs.items() if k != "out"})
