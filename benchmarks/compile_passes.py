@@ -36,6 +36,7 @@ def make_fx_seconds(module, batch):
     functionalized ``torch.func.grad_and_value`` of its loss, no
     decompositions, no modes, nothing of poptorchsim."""
     import time
+
     from torch.func import functional_call, functionalize, grad_and_value
     from torch.fx.experimental.proxy_tensor import make_fx
     params = {k: v.detach() for k, v in module.named_parameters()}

@@ -100,7 +100,6 @@ from tqdm.auto import tqdm
 
 import poptorchsim
 from poptorchsim.machine import host_device
-
 from poptorchsim.testing import quiet_options, reference_call, to_layout, zoo
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -40,7 +40,6 @@ import torch
 from tqdm.auto import tqdm
 
 import poptorchsim
-
 from poptorchsim.testing import quiet_options, zoo
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -12,33 +12,72 @@ import weakref
 import torch
 
 from . import _impl, _logging, enums, optim, profiling  # poptorch._impl, ._logging, .profiling
-from .annotations import (BeginBlock, Block, BlockFunction, BlockId, LegacyBeginBlockFn,
-                          ParallelPhasedExecution, Phase, SerialPhasedExecution,
-                          PipelinedExecution, ShardedExecution, Stage,
-                          recomputationCheckpoint, removeBlocks)
+from ._api import op_library as _op_library  # defines torch.ops.poptorch
 from ._api.arg_parsers import ICustomArgParser, registerCustomArgParser
 from ._api.control_flow import cond, for_loop
 from ._api.ctc import ctc_beam_search_decoder
+from ._api.graph_ops import (
+    Attribute,
+    CustomOp,
+    MultiConv,
+    NameScope,
+    custom_op,
+    dynamic_slice,
+    dynamic_update,
+    nop,
+    register_custom_op,
+    serializedMatMul,
+)
+from ._api.overlap import set_overlap_for_input, set_overlap_for_output
+from ._api.printing import module_repr, print  # PopTorch's poptorch.print
+from .annotations import (
+    BeginBlock,
+    Block,
+    BlockFunction,
+    BlockId,
+    LegacyBeginBlockFn,
+    ParallelPhasedExecution,
+    Phase,
+    PipelinedExecution,
+    SerialPhasedExecution,
+    ShardedExecution,
+    Stage,
+    recomputationCheckpoint,
+    removeBlocks,
+)
 from .data import AsynchronousDataAccessor, DataLoader
 from .enums import *  # PopTorch re-exports its enums
-from .errors import (BatchDimensionError, DataDependentError, DtypeError, Error,
-                     InputError, InputMismatchError, LossError, ModelWrappedError,
-                     NoWeightsError, OutOfMemoryError, RecoverableError, UnrecoverableError,
-                     UnsupportedOperationError, createPoptorchError)
-from .ops import identity_loss, ipuHardwareIsAvailable, isRunningOnIpu, set_available_memory
-from .ops import CPU, ipu_print_tensor, ipuHardwareVersion  # docs/observing.md
-from ._api.graph_ops import (Attribute, CustomOp, MultiConv, NameScope, custom_op,
-                        dynamic_slice, dynamic_update, nop, register_custom_op,
-                        serializedMatMul)
-from .options import ConfigFileError, Options, TensorLocationSettings
-from ._api import op_library as _op_library  # defines torch.ops.poptorch
-from ._api.printing import module_repr, print  # PopTorch's poptorch.print
-from ._api.overlap import set_overlap_for_input, set_overlap_for_output
-from .runtime.executor.executor import PoplarExecutor
+from .errors import (
+    BatchDimensionError,
+    DataDependentError,
+    DtypeError,
+    Error,
+    InputError,
+    InputMismatchError,
+    LossError,
+    ModelWrappedError,
+    NoWeightsError,
+    OutOfMemoryError,
+    RecoverableError,
+    UnrecoverableError,
+    UnsupportedOperationError,
+    createPoptorchError,
+)
 from .machine.host_device import choose as setHostDevice  # docs/host_device.md
 from .machine.host_device import current as hostDevice
-
+from .ops import (  # docs/observing.md
+    CPU,
+    identity_loss,
+    ipu_print_tensor,
+    ipuHardwareIsAvailable,
+    ipuHardwareVersion,
+    isRunningOnIpu,
+    set_available_memory,
+)
+from .options import ConfigFileError, Options, TensorLocationSettings
+from .runtime.executor.executor import PoplarExecutor
 from .version import __version__  # re-exported
+
 logger = logging.getLogger("poptorchsim")
 
 WRAPPED_ERR = ("Model has already been wrapped in 'poptorch.trainingModel'. Call "

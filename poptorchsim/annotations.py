@@ -21,8 +21,16 @@ import functools
 import torch
 
 from ._api.strategies import (  # noqa: F401 - PopTorch's multi-IPU names, re-exported
-    ParallelPhasedExecution, Phase, PipelinedExecution, SerialPhasedExecution,
-    ShardedExecution, Stage, _IExecutionStrategy, _IPhasedExecution, _StagedExecution)
+    ParallelPhasedExecution,
+    Phase,
+    PipelinedExecution,
+    SerialPhasedExecution,
+    ShardedExecution,
+    Stage,
+    _IExecutionStrategy,
+    _IPhasedExecution,
+    _StagedExecution,
+)
 from .capture import blocks as _blocks
 from .capture.blocks import BlockHook as _BlockHook  # noqa: F401 - its old home (tests, pickles)
 from .errors import createPoptorchError

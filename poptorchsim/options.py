@@ -15,16 +15,30 @@ import json
 import os
 
 from . import enums
-from ._api.option_groups import (  # noqa: F401 - poptorch.options.<name>, as PopTorch has them
-    FROZEN_MESSAGE, TensorLocationSettings, _check_positive_int, _DistributedOptions,
-    _JitOptions, _OptionsDict, _PopartOptions, _PrecisionOptions, _TensorLocationOptions,
-    _TrainingOptions)
 from ._api import session_options
-from ._api.option_extras import _CompilerOptions
-from ._api.strategies import (  # noqa: F401 - poptorch.options.<name>, as PopTorch has them
-    ParallelPhasedExecution, Phase, PipelinedExecution, SerialPhasedExecution,
-    ShardedExecution, Stage, _IExecutionStrategy)
 from ._api.graph_ops import Attribute  # noqa: F401 - poptorch.options.Attribute
+from ._api.option_extras import _CompilerOptions
+from ._api.option_groups import (  # noqa: F401 - poptorch.options.<name>, as PopTorch has them
+    FROZEN_MESSAGE,
+    TensorLocationSettings,
+    _check_positive_int,
+    _DistributedOptions,
+    _JitOptions,
+    _OptionsDict,
+    _PopartOptions,
+    _PrecisionOptions,
+    _TensorLocationOptions,
+    _TrainingOptions,
+)
+from ._api.strategies import (  # noqa: F401 - poptorch.options.<name>, as PopTorch has them
+    ParallelPhasedExecution,
+    Phase,
+    PipelinedExecution,
+    SerialPhasedExecution,
+    ShardedExecution,
+    Stage,
+    _IExecutionStrategy,
+)
 from .errors import Error
 
 BlockId = str  # poptorch.options.BlockId: a block's user_id

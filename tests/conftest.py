@@ -24,13 +24,19 @@ import pytest
 import torch
 from torch import nn
 
-
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # the helpers users have too (poptorchsim.testing), under the names the tests import
-from poptorchsim.testing import (ATOL, RTOL, assert_state_close, quiet_options,  # noqa: E402,F401 - re-exported for the tests
-                                 reference_call, reference_train, to_layout)
+from poptorchsim.testing import (  # noqa: E402,F401 - re-exported for the tests
+    ATOL,
+    RTOL,
+    assert_state_close,
+    quiet_options,
+    reference_call,
+    reference_train,
+    to_layout,
+)
 
 
 class LogRecords(logging.Handler):

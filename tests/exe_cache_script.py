@@ -13,11 +13,11 @@ import json
 import sys
 
 import torch
+from conftest import ClassifierWithLoss, classification_batch, quiet_options, reference_call
 
 import poptorchsim as poptorch
 from poptorchsim.passes import front
 from poptorchsim.runtime.executables import cache
-from conftest import ClassifierWithLoss, classification_batch, quiet_options, reference_call
 
 
 def _model():

@@ -6,16 +6,29 @@ import pickle
 
 import pytest
 import torch
+from conftest import (
+    ClassifierWithLoss,
+    assert_state_close,
+    classification_batch,
+    quiet_options,
+    reference_call,
+)
 from torch import nn
 
 import poptorchsim
-from poptorchsim import (AutoStage, BeginBlock, Block, BlockFunction, PipelinedExecution,
-                         ShardedExecution, Stage, recomputationCheckpoint, removeBlocks)
+from poptorchsim import (
+    AutoStage,
+    BeginBlock,
+    Block,
+    BlockFunction,
+    PipelinedExecution,
+    ShardedExecution,
+    Stage,
+    recomputationCheckpoint,
+    removeBlocks,
+)
 from poptorchsim.annotations import LegacyBeginBlockFn, _BlockHook
 from poptorchsim.capture import blocks as capture_blocks
-
-from conftest import (ClassifierWithLoss, assert_state_close, classification_batch,
-                      quiet_options, reference_call)
 
 
 @pytest.fixture(autouse=True)

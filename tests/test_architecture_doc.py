@@ -4,10 +4,10 @@ import pathlib
 import re
 
 import torch
+from conftest import quiet_options
 from torch import nn
 
 import poptorchsim
-from conftest import quiet_options
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 import torch
+from conftest import quiet_options
 from torch.utils.data import TensorDataset
 
 import poptorchsim as poptorch
-from conftest import quiet_options
 
 FORK = {"sharing_strategy": poptorch.SharingStrategy.Fork}
 ASYNC = poptorch.DataLoaderMode.Async

@@ -11,10 +11,10 @@ import logging
 
 import pytest
 import torch
+from conftest import LogRecords, quiet_options
 from torch import nn
 
 import poptorchsim as poptorch
-from conftest import LogRecords, quiet_options
 
 
 class Net(nn.Module):

@@ -3,11 +3,11 @@ training step allows it, with the serial order's results (within fp32
 rounding); programs that need the serial order keep it."""
 import pytest
 import torch
+from conftest import quiet_options
 from torch import nn
 
 import poptorchsim as poptorch
 from poptorchsim.machine.batching import serial_reason
-from conftest import quiet_options
 
 DI, GA, RF, MICRO = 2, 3, 2, 4
 

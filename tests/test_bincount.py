@@ -2,10 +2,10 @@
 IPU the minimum length is also the maximum), counts or summed weights."""
 import pytest
 import torch
+from conftest import quiet_options
 from torch import nn
 
 import poptorchsim as poptorch
-from conftest import quiet_options
 
 
 class _Count(nn.Module):

@@ -7,14 +7,13 @@ import sys
 
 import pytest
 import torch
+from conftest import quiet_options
 from torch import nn
 
 import poptorchsim
 from poptorchsim.estimate import constants as K
-from poptorchsim.estimate.cost import exchange_cycles, _kernel_positions, op_cost
+from poptorchsim.estimate.cost import _kernel_positions, exchange_cycles, op_cost
 from poptorchsim.estimate.targets import MK2
-
-from conftest import quiet_options
 
 
 def _conv_op(cin, cout, k, hw=32, batch=4):

@@ -10,10 +10,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_state_close, quiet_options
 from torch import nn
 
 import poptorchsim
-from conftest import assert_state_close, quiet_options
 
 
 class WithLoss(nn.Module):

@@ -6,10 +6,10 @@ import logging
 
 import pytest
 import torch
+from conftest import LogRecords, assert_state_close, quiet_options, reference_call
 from torch import nn
 
 import poptorchsim
-from conftest import LogRecords, assert_state_close, quiet_options, reference_call
 
 
 class Classifier(nn.Module):

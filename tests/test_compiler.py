@@ -4,9 +4,9 @@ import torch
 import torch.nn as nn
 
 import poptorchsim as poptorch
+from poptorchsim.estimate.targets import MK2, TEST_IPU
 from poptorchsim.ir.graph import Graph, Op
 from poptorchsim.ir.verify import verify_graph
-from poptorchsim.estimate.targets import MK2, TEST_IPU
 from poptorchsim.passes.tile_mapping import TileMapping
 
 

@@ -3,10 +3,10 @@ bodies as sub-graphs, run on the device, costed as a loop and a branch."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import quiet_options
 from torch import nn
 
 import poptorchsim
-from conftest import quiet_options
 
 
 class Looped(nn.Module):

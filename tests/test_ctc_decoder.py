@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
+from conftest import quiet_options
 
 import poptorchsim as poptorch
-from conftest import quiet_options
 
 
 def exhaustive(log_probs, blank, top_paths):

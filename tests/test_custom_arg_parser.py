@@ -4,10 +4,10 @@ import copy
 
 import pytest
 import torch
+from conftest import quiet_options
 from torch import nn
 
 import poptorchsim as poptorch
-from conftest import quiet_options
 
 
 class Batch:

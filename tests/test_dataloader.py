@@ -3,9 +3,9 @@ import copy
 
 import pytest
 import torch
+from conftest import ClassifierWithLoss, assert_state_close, quiet_options, reference_call
 
 import poptorchsim
-from conftest import ClassifierWithLoss, assert_state_close, quiet_options, reference_call
 
 FROZEN = "Can't modify frozen Options"
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import poptorchsim
-from poptorchsim.distributed import launch as launch_module
 from poptorchsim.distributed import _worker
+from poptorchsim.distributed import launch as launch_module
 from poptorchsim.run import parse
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,11 +5,18 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import (
+    ClassifierWithLoss,
+    assert_state_close,
+    assert_unchanged,
+    classification_batch,
+    quiet_options,
+    reference_call,
+    snapshot,
+)
 from torch import nn
 
 import poptorchsim
-from conftest import (ClassifierWithLoss, assert_state_close, assert_unchanged,
-                      classification_batch, quiet_options, reference_call, snapshot)
 
 MISMATCH_SUFFIX = (
     "\nThis error occurred because the inputs passed at runtime don't match the "

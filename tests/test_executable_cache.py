@@ -10,15 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import exe_cache_script
 import pytest
 import torch
+from conftest import ClassifierWithLoss, classification_batch, quiet_options, reference_call
 
-import exe_cache_script
 import poptorchsim as poptorch
 from poptorchsim.passes import front
 from poptorchsim.runtime.executables import cache, export
-from conftest import (ClassifierWithLoss, classification_batch, quiet_options,
-                      reference_call)
 
 TESTS = Path(__file__).resolve().parent
 

@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import quiet_options
 
 import poptorchsim as poptorch
-from conftest import quiet_options
 from poptorchsim.errors import FloatingPointException
 from poptorchsim.machine import fp_checks
 

@@ -8,10 +8,10 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import quiet_options
 from torch import nn
 
 import poptorchsim as poptorch
-from conftest import quiet_options
 
 
 def _sgd(model):

@@ -190,6 +190,7 @@ def test_graphs_compiled_for_cuda_place_their_constants_there(monkeypatch):
     device and constant on CUDA; compiled for the CPU, the same step mixes
     devices."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     from poptorchsim.machine import codegen, host_device
     model = _Factories()
     tm = poptorch.trainingModel(model, poptorch.Options(),

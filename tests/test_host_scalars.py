@@ -9,10 +9,15 @@ import copy
 
 import pytest
 import torch
+from conftest import (
+    ClassifierWithLoss,
+    assert_state_close,
+    classification_batch,
+    quiet_options,
+    reference_call,
+)
 
 import poptorchsim as poptorch
-from conftest import (ClassifierWithLoss, assert_state_close, classification_batch,
-                      quiet_options, reference_call)
 from poptorchsim.passes.memory import _used_tiles
 from poptorchsim.profiling import op_table
 

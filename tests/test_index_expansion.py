@@ -3,10 +3,10 @@
 size; the same values and gradients as eager PyTorch."""
 import pytest
 import torch
+from conftest import quiet_options
 from torch import nn
 
 import poptorchsim
-from conftest import quiet_options
 from poptorchsim.testing import assert_trains_like_pytorch
 
 

@@ -11,9 +11,9 @@ import textwrap
 
 import pytest
 import torch
+from conftest import LogRecords
 
 import poptorchsim as poptorch
-from conftest import LogRecords
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,9 +12,9 @@ import pathlib
 import pytest
 import torch
 import torch.nn as nn
+from conftest import ClassifierWithLoss, assert_state_close, classification_batch, quiet_options
 
 import poptorchsim
-from conftest import ClassifierWithLoss, assert_state_close, classification_batch, quiet_options
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

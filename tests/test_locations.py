@@ -9,10 +9,16 @@ import copy
 
 import pytest
 import torch
+from conftest import (
+    ClassifierWithLoss,
+    assert_optimizer_state_close,
+    assert_state_close,
+    classification_batch,
+    quiet_options,
+    reference_call,
+)
 
 import poptorchsim
-from conftest import (ClassifierWithLoss, assert_optimizer_state_close, assert_state_close,
-                      classification_batch, quiet_options, reference_call)
 
 DI, GA, RF, MICRO = 2, 2, 4, 3
 

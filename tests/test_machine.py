@@ -4,9 +4,9 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
+from conftest import LogRecords
 
 import poptorchsim as poptorch
-from conftest import LogRecords
 from poptorchsim.estimate.targets import BOW, MK1, MK2, TEST_IPU, default_target
 
 
@@ -261,6 +261,7 @@ def test_host_malloc_policy_is_applied_once_and_can_be_left_alone(monkeypatch):
     keeps freed memory in the heap (no page faults per step);
     POPTORCHSIM_HOST_MALLOC=system leaves malloc alone, anything else warns."""
     import platform
+
     from poptorchsim.runtime.state import host_memory
     monkeypatch.setitem(host_memory._state, "applied", None)
     monkeypatch.setenv("POPTORCHSIM_HOST_MALLOC", "system")

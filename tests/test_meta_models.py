@@ -8,10 +8,10 @@ import weakref
 import numpy as np
 import pytest
 import torch
+from conftest import quiet_options
 from torch import nn
 
 import poptorchsim
-from conftest import quiet_options
 
 
 class SmallCNN(nn.Module):

@@ -29,12 +29,23 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import assert_state_close, quiet_options
 
 import poptorchsim
-from conftest import assert_state_close, quiet_options
-from poptorchsim.testing.zoo import (INFER_ATOL, INFER_RTOL, STEPS, TRAIN_ATOL, TRAIN_RTOL,
-                                     ZOO, WithLoss, as_float64, build, eager_train,
-                                     make_batches, optimizer_for)
+from poptorchsim.testing.zoo import (
+    INFER_ATOL,
+    INFER_RTOL,
+    STEPS,
+    TRAIN_ATOL,
+    TRAIN_RTOL,
+    ZOO,
+    WithLoss,
+    as_float64,
+    build,
+    eager_train,
+    make_batches,
+    optimizer_for,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -8,11 +8,18 @@ import copy
 
 import pytest
 import torch
+from conftest import (
+    BatchNormWithLoss,
+    ClassifierWithLoss,
+    assert_optimizer_state_close,
+    assert_state_close,
+    classification_batch,
+    quiet_options,
+    reference_call,
+    regression_batch,
+)
 
 import poptorchsim
-from conftest import (BatchNormWithLoss, ClassifierWithLoss, assert_optimizer_state_close,
-                      assert_state_close, classification_batch, quiet_options,
-                      reference_call, regression_batch)
 
 MICRO = 4
 CALLS = 3

@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import ATOL, RTOL, ClassifierWithLoss, quiet_options
 from torch import nn
 
 import poptorchsim as poptorch
 from poptorchsim.capture.tensor_text import format_tensor
-from conftest import ATOL, RTOL, ClassifierWithLoss, quiet_options
 
 
 # -- ipu_print_tensor ------------------------------------------------------------------

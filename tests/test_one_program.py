@@ -13,14 +13,14 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import quiet_options
 from torch import nn
 
 import poptorchsim as poptorch
+from poptorchsim.estimate import program_cost
 from poptorchsim.ir import graph as ir
 from poptorchsim.ir import printer
 from poptorchsim.machine import engine as engine_module
-from poptorchsim.estimate import program_cost
-from conftest import quiet_options
 
 WIDTH = 16
 

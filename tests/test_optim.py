@@ -9,10 +9,16 @@ import re
 
 import pytest
 import torch
+from conftest import (
+    ClassifierWithLoss,
+    LogRecords,
+    assert_state_close,
+    classification_batch,
+    quiet_options,
+    reference_call,
+)
 
 import poptorchsim
-from conftest import (ClassifierWithLoss, assert_state_close, classification_batch,
-                      quiet_options, reference_call, LogRecords)
 
 optim = poptorchsim.optim
 

@@ -7,10 +7,10 @@ import logging
 
 import pytest
 import torch
+from conftest import LogRecords, quiet_options
 from torch import nn
 
 import poptorchsim as poptorch
-from conftest import LogRecords, quiet_options
 
 
 class _Add(nn.Module):

@@ -9,10 +9,10 @@ import copy
 
 import pytest
 import torch
+from conftest import RegressorWithLoss, quiet_options, reference_call, to_layout
 from torch import nn
 
 import poptorchsim
-from conftest import RegressorWithLoss, quiet_options, reference_call, to_layout
 
 OutputMode = poptorchsim.OutputMode
 

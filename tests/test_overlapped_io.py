@@ -8,10 +8,10 @@ import copy
 
 import pytest
 import torch
+from conftest import quiet_options
 from torch import nn
 
 import poptorchsim as poptorch
-from conftest import quiet_options
 
 OM = poptorch.OverlapMode
 

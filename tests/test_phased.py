@@ -4,10 +4,10 @@ import copy
 
 import pytest
 import torch
+from conftest import assert_state_close, quiet_options, reference_call
 from torch import nn
 
 import poptorchsim as poptorch
-from conftest import assert_state_close, quiet_options, reference_call
 
 WIDTH, DEPTH, GA, MICRO = 512, 4, 2, 8
 

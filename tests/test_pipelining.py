@@ -5,9 +5,9 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
+from conftest import LogRecords
 
 import poptorchsim as poptorch
-from conftest import LogRecords
 from poptorchsim.estimate.schedule import schedule
 
 

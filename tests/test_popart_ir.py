@@ -4,10 +4,10 @@ import json
 import logging
 
 import torch
+from conftest import poptorchsim_log, quiet_options
 from torch import nn
 
 import poptorchsim
-from conftest import poptorchsim_log, quiet_options
 
 
 def _ops(model, of_type=None):

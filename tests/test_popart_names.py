@@ -6,9 +6,9 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
+from conftest import LogRecords
 
 import poptorchsim as poptorch
-from conftest import LogRecords
 from poptorchsim import popart
 from poptorchsim.runtime.settings import popart_options
 

@@ -303,12 +303,12 @@ def alias():
 def test_aliases_map_poptorch_and_its_submodules(alias):
     installed = alias()
     assert installed.aliased["poptorch"] == "poptorchsim"
+    import popdist as pd
+    import popdist.poptorch as pdp
     import poptorch
     import poptorch.optim
     from poptorch import DataLoader
     from poptorch.enums import OutputMode
-    import popdist as pd
-    import popdist.poptorch as pdp
     assert poptorch is poptorchsim and poptorch.optim is poptorchsim.optim
     assert poptorch.__spec__.name == "poptorchsim"      # the target's own spec
     assert DataLoader is poptorchsim.DataLoader and OutputMode is poptorchsim.OutputMode

@@ -8,10 +8,10 @@ import pathlib
 
 import pytest
 import torch
+from conftest import quiet_options
 from torch import nn
 
 import poptorchsim as poptorch
-from conftest import quiet_options
 from poptorchsim import popart
 
 P = torch.ops.poptorch

@@ -6,10 +6,10 @@ import logging
 
 import pytest
 import torch
-
-import poptorchsim as poptorch
 from conftest import LogRecords, quiet_options
 from test_poptorch_op_library import CUBE, Layers, X  # noqa: F401 - CUBE registers the op
+
+import poptorchsim as poptorch
 
 P = torch.ops.poptorch
 

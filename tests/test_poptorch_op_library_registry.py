@@ -6,10 +6,10 @@ import logging
 
 import pytest
 import torch
+from conftest import LogRecords
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import poptorchsim as poptorch
-from conftest import LogRecords
 from poptorchsim._api import op_library
 
 P = torch.ops.poptorch

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
+from conftest import LogRecords
 
 import poptorchsim as poptorch
-from conftest import LogRecords
 from poptorchsim.machine.precision import stochastic_round
 from poptorchsim.machine.rounding import RandomBits
 
@@ -168,6 +168,7 @@ def test_compiled_stochastic_round_equals_the_pytorch_form(monkeypatch):
 
 def _round_in_child(x, pool, queue):
     import torch as t
+
     from poptorchsim.machine import sr_kernel
     t.set_num_threads(2)                # numba's threads would be wanted here too
     queue.put(sr_kernel.round_rows(x, pool, [7], x.numel()).view(t.int16).numpy().tobytes())
@@ -183,6 +184,7 @@ def test_a_forked_child_rounds_after_the_parent_used_numbas_threads():
     if not sr_kernel.available():
         pytest.skip("numba is not installed")
     import multiprocessing
+
     from poptorchsim.machine.streams import draw_pool
     pool = draw_pool(0)
     x = torch.randn(4 * sr_kernel._CHUNK, generator=torch.Generator().manual_seed(0))

@@ -4,9 +4,9 @@ carries each op's dtype, rounding and role (loss scaling, gradient unscale);
 ``memoryReport()`` and the HTML report show each tensor's dtype
 (docs/precision.md, "In the reports")."""
 import torch
+from conftest import ClassifierWithLoss, classification_batch, quiet_options
 
 import poptorchsim as poptorch
-from conftest import ClassifierWithLoss, classification_batch, quiet_options
 from poptorchsim.estimate.targets import MK1, MK2
 from poptorchsim.profiling import op_table, write_report
 

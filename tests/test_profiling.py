@@ -9,12 +9,11 @@ import sys
 
 import pytest
 import torch
+from conftest import ClassifierWithLoss, classification_batch, quiet_options
 from torch import nn
 
 import poptorchsim
 from poptorchsim.profiling import load_reports, summary, write_report
-
-from conftest import ClassifierWithLoss, classification_batch, quiet_options
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -5,13 +5,13 @@ import copy
 
 import pytest
 import torch
+from conftest import quiet_options
 from torch import nn
 
 import poptorchsim as poptorch
 from poptorchsim.errors import Error
 from poptorchsim.machine import streams as S
 from poptorchsim.machine.rounding import Rounding, stochastic_round
-from conftest import quiet_options
 
 
 def _key(*where):

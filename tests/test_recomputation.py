@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from conftest import LogRecords
 
 import poptorchsim as poptorch
-from conftest import LogRecords
 from poptorchsim.passes.liveness import graph_liveness_profile
 from poptorchsim.passes.recompute import _decreasing_intervals
 

@@ -9,7 +9,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from four_ipu_model import compile_four_ipus
 
 CHROMIUM = next((found for found in map(shutil.which, ("chromium", "chromium-browser",

@@ -7,13 +7,12 @@ import re
 
 import numpy as np
 import pytest
+from four_ipu_model import compile_four_ipus
 
 from poptorchsim.__main__ import main
 from poptorchsim.profiling import load_reports, summary
 from poptorchsim.profiling.sections import fold, table
 from poptorchsim.profiling.text import fmt_bytes
-
-from four_ipu_model import compile_four_ipus
 
 
 @pytest.fixture(scope="module")

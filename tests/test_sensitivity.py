@@ -9,15 +9,14 @@ import sys
 
 import pytest
 import torch
+from conftest import quiet_options
+from test_profiling import ROOT, _env
 from torch import nn
 
 import poptorchsim
 from poptorchsim.estimate import constants as K
 from poptorchsim.estimate.cost import op_cost
 from poptorchsim.profiling import summary
-
-from conftest import quiet_options
-from test_profiling import _env, ROOT
 
 
 class SmallCNN(nn.Module):

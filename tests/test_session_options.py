@@ -4,10 +4,10 @@ the same lines when a model compiles at debug level."""
 
 import pytest
 import torch
+from conftest import poptorchsim_log
 
 import poptorchsim
 from poptorchsim import poptorch_core
-from conftest import poptorchsim_log
 
 
 def _debug_lines(fn):

@@ -11,10 +11,10 @@ import copy
 
 import pytest
 import torch
+from conftest import assert_state_close, quiet_options, reference_call
 from torch import nn
 
 import poptorchsim
-from conftest import assert_state_close, quiet_options, reference_call
 
 VOCAB, DIM = 16, 8
 

@@ -20,10 +20,10 @@ import copy
 
 import pytest
 import torch
+from conftest import assert_state_close, quiet_options
 from torch import nn
 
 import poptorchsim as poptorch
-from conftest import assert_state_close, quiet_options
 
 WIDTH = 8
 

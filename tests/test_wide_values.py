@@ -3,12 +3,12 @@ fp32 stay in fp32 (their fp16 values exactly) for the next ops that
 compute in fp32 anyway, and the numerics do not change by a bit."""
 import pytest
 import torch
+from conftest import quiet_options
 from torch import nn
 
 import poptorchsim as poptorch
 from poptorchsim.machine import codegen, precision, rounding
 from poptorchsim.machine.streams import POOL, Window, Windows, draw_pool
-from conftest import quiet_options
 
 aten = torch.ops.aten
 

@@ -18,7 +18,6 @@ option set is logged, ``poptorch.Options set <name> to value <value>``
 and every compile runs it too, so a program sees the same debug lines."""
 import enum
 
-
 # options of poptorchsim's own (no PopTorch counterpart), left out of the dictionary
 _OWN = ("relax_optimizer_checks", "show_compilation_progress_bar", "synthetic_data",
         "convolution_dithering", "ipu_model_version", "random_streams")

@@ -13,7 +13,6 @@ namespace: functional (they return copies), with fake kernels, so that
 ``make_fx`` and functionalization record them where they were called.
 """
 import torch
-
 from torch.library import custom_op
 
 NAMESPACE = "poptorchsim"

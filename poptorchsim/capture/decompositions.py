@@ -15,12 +15,11 @@ import warnings
 
 import torch
 from torch._decomp import core_aten_decompositions, decomposition_table, get_decompositions
-
 from torch.overrides import TorchFunctionMode
 
-from . import ctc_loss
 from ..errors import DataDependentError, Error
 from ..ir.ops import is_native
+from . import ctc_loss
 
 aten = torch.ops.aten
 

@@ -26,13 +26,20 @@ from ..errors import DataDependentError, Error, InputError, LossError
 from . import blocks as _blocks
 from . import losses as _losses
 from .decompositions import TraceableForms, decompositions, tracing_backends
+from .index_expansion import remove_index_expansions
 from .mixed_precision import MixedPrecision
 from .op_calls import PoptorchOpCalls
+from .trace_checks import (
+    check_multiconvs,
+    constants_as_compiled,
+    drop_constant_reads,
+    explain_failure,
+    forward_signature,
+    held_constants,
+    named_inputs,
+    user_frame,
+)
 from .weightless import explain_meta_constant, fake_meta_example
-from .index_expansion import remove_index_expansions
-from .trace_checks import constants_as_compiled, held_constants
-from .trace_checks import (check_multiconvs, drop_constant_reads, explain_failure,
-                           named_inputs, user_frame, forward_signature)
 
 aten = torch.ops.aten
 _tracing = threading.local()
@@ -326,6 +333,7 @@ def _call_checked(module, state, args, kwargs, buffer_names):
     """``functional_call`` that also catches a forward() removing or
     reassigning a buffer or parameter (PopTorch's texts)."""
     from torch.nn.utils.stateless import _reparametrize_module
+
     from ..errors import Error
     with _reparametrize_module(module, state, tie_weights=True), TraceableForms(), \
             _blocks.following_crossings(), MixedPrecision(), _no_distribution_checks(), \

@@ -140,7 +140,7 @@ def _become(alias):
         sys.meta_path.insert(0, finder)
         _INSTALLED = Installed(finder, mapping, {})
     sys.modules[alias] = importlib.import_module(mapping[alias])
-    from . import torch_compat          # (PyTorch is imported by now)
+    from . import torch_compat  # (PyTorch is imported by now)
     torch_compat.install()
 
 

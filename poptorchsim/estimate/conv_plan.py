@@ -31,8 +31,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .conv_params import Conv, cdiv  # noqa: F401 - Conv: the problem a plan is made for
-from .conv_vertices import (amp_cycles, amp_units, cast_cycles, hmac_cycles, reduce_cycles,
-                            vmac_cycles)
+from .conv_vertices import (
+    amp_cycles,
+    amp_units,
+    cast_cycles,
+    hmac_cycles,
+    reduce_cycles,
+    vmac_cycles,
+)
 
 # Split values tried for each partitioned dimension: enough to reach every
 # tile count within a few percent (Poplar's popsolver tries every integer).

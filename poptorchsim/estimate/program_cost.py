@@ -40,9 +40,9 @@ import numpy as np
 
 from ..ir.graph import Call, Repeat, Sequence
 from ..ir.visitor import StepVisitor
-from .schedule import schedule
 from . import constants as K
 from .cost import exchange_cycles, op_cost
+from .schedule import schedule
 
 KINDS = ("compute", "exchange", "sync", "host")      # an op's cycles (host: host ops' trips)
 

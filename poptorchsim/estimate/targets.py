@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass, replace
 from ..errors import Error
 from . import constants as _K
 
-
 # Each modelling figure below (sync cycles, PCIe, IPU-Link and Streaming
 # Memory bandwidths, the host latencies) is registered with its source in
 # constants.py (docs/cost_model.md lists them).

@@ -19,7 +19,13 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from .interfaces import RecomputePlan, TileMap
+from .interfaces import (
+    GradientWatchState,
+    RandomStreams,
+    RecomputePlan,
+    StochasticRounding,
+    TileMap,
+)
 from .kinds import CostClass, Counter, Phased, ProgramKind, Role
 
 FORMATTERS: dict = {}    # "graph" / "program" -> function(obj) -> str (ir.printer)
@@ -170,9 +176,9 @@ class Graph:
     stash_depth: Optional[dict] = None       # stage -> activations stashed (pipelined training)
     recompute: Optional[RecomputePlan] = None    # passes/recompute.py's plan
     statistics_outputs: int = 0              # trailing outputs: automatic loss scaling's statistics
-    watch: Any = None                        # machine.precision.GradientWatch (fp16 gradients)
-    rounding: Any = None                     # machine.precision.Rounding (stochastic rounding)
-    streams: Any = None                      # machine.streams.Streams (random numbers)
+    watch: Optional[GradientWatchState] = None      # fp16 gradients (machine.gradient_watch)
+    rounding: Optional[StochasticRounding] = None   # stochastic rounding (machine.rounding)
+    streams: Optional[RandomStreams] = None          # random numbers (machine.streams)
     floating_point_checks: bool = False      # enableFloatingPointExceptions
 
     def new_tensor(self, name: str, shape: Iterable[int], dtype: torch.dtype,

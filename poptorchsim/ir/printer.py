@@ -2,8 +2,20 @@
 sub-graphs (a loop, a conditional) prints them indented under it."""
 import torch
 
-from .graph import (FORMATTERS, AllGather, AllReduce, Call, DeviceToHost, HostToDevice,
-                    ReduceScatter, RemoteLoad, RemoteStore, Repeat, Sequence, Tensor)
+from .graph import (
+    FORMATTERS,
+    AllGather,
+    AllReduce,
+    Call,
+    DeviceToHost,
+    HostToDevice,
+    ReduceScatter,
+    RemoteLoad,
+    RemoteStore,
+    Repeat,
+    Sequence,
+    Tensor,
+)
 
 _DTYPES = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16",
            torch.int64: "i64", torch.int32: "i32", torch.bool: "bool",

@@ -6,10 +6,24 @@ from dataclasses import fields
 from typing import Any
 
 from ..errors import Error
+from .graph import (
+    ROLES,
+    AllGather,
+    AllReduce,
+    Call,
+    DeviceToHost,
+    Graph,
+    HostToDevice,
+    Program,
+    ReduceScatter,
+    RemoteLoad,
+    RemoteStore,
+    Repeat,
+    Sequence,
+    Step,
+    all_ops,
+)
 from .kinds import CostClass, Phased, ProgramKind, Role
-from .graph import (ROLES, AllGather, AllReduce, Call, DeviceToHost, Graph, HostToDevice,
-                    Program, ReduceScatter, RemoteLoad, RemoteStore, Repeat, Sequence, Step,
-                    all_ops)
 
 
 def verify_graph(graph: Graph) -> Graph:

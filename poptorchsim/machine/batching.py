@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..ir.graph import Graph, Tensor
-from .codegen import compile_graph
 from . import vmap_rules
+from .codegen import compile_graph
 from .streams import draws
 
 aten = torch.ops.aten

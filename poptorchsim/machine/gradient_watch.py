@@ -4,10 +4,10 @@ import math
 import torch
 from torch._C import _functorch as _ft
 
+from ..ir.interfaces import GradientWatchState
 from .half_partials import half_partials_kernel, uses_half_partials
 from .precision import ROUNDS_LIKE_FP32, SLOW_IN_HALF, rounds_stochastically
-from .rounding import HALF, widen_all, result_stream
-
+from .rounding import HALF, result_stream, widen_all
 
 # |x| boundaries of what rounding to nearest fp16 does to an fp32 value x:
 # 0 | underflows to zero (|x| <= 2**-25, ties to even) | fp16 | overflows to
@@ -216,3 +216,7 @@ class GradientWatch:
                 "ops": [{"op": n, "values": r[0], "underflowed": r[1], "overflowed": r[2],
                          "underflowed_magnitude": self._lost_share(r)}
                         for n, r in worst if r[1] or r[2]]}
+
+
+# the IR's protocol (ir/interfaces.py), held to by the type checker
+_CHECKED: type[GradientWatchState] = GradientWatch

@@ -14,8 +14,8 @@ chosen) keeps the overload's own entry point.
 import types
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..ir.graph import Tensor
 

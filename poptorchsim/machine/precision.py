@@ -27,11 +27,23 @@ import math
 
 import torch
 
-from .half_partials import (HALF_PARTIALS, PARTIALS_CHUNK, SLICE_CHUNKS,  # noqa: F401 - re-exported
-                            half_partials_kernel, half_partials_mm, mark_partials,
-                            uses_half_partials)
-from .rounding import (HALF, Rounding, has_half, widen_all,  # noqa: F401 - re-exported
-                       stochastic_round, with_stochastic_rounding)
+from .half_partials import (  # noqa: F401 - re-exported
+    HALF_PARTIALS,
+    PARTIALS_CHUNK,
+    SLICE_CHUNKS,
+    half_partials_kernel,
+    half_partials_mm,
+    mark_partials,
+    uses_half_partials,
+)
+from .rounding import (  # noqa: F401 - re-exported
+    HALF,
+    Rounding,
+    has_half,
+    stochastic_round,
+    widen_all,
+    with_stochastic_rounding,
+)
 
 aten = torch.ops.aten
 

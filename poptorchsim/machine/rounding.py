@@ -5,6 +5,7 @@ import random
 import torch
 from torch.utils import _pytree as pytree
 
+from ..ir.interfaces import StochasticRounding
 from . import vmap_rules
 from .streams import DROPPED, MASK32, POOL, Streams, Window, Windows, draw_pool, key_ints
 
@@ -295,3 +296,7 @@ def with_stochastic_rounding(kernel, out_dtypes, rounding, into=False, stream=0,
                           if d == HALF and isinstance(r, torch.Tensor) else r
                           for j, (r, d) in enumerate(zip(full, want)))
     return run
+
+
+# the IR's protocol (ir/interfaces.py), held to by the type checker
+_CHECKED: type[StochasticRounding] = Rounding

@@ -39,6 +39,7 @@ import math
 
 import torch
 
+from ..ir.interfaces import RandomStreams
 from . import vmap_rules
 
 MASK32 = 0xFFFFFFFF
@@ -399,3 +400,7 @@ def random_kernel(op, streams):
             return torch.argsort(w, stable=True).to(out_dtype)
         return randperm
     return None
+
+
+# the IR's protocol (ir/interfaces.py), held to by the type checker
+_CHECKED: type[RandomStreams] = Streams

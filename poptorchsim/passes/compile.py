@@ -49,20 +49,38 @@ from ..machine.codegen import compile_graph
 from . import locations as tensor_locations
 from . import recompute
 from .compiled import Compiled
-from .contracts import (CODE_MADE, COSTED, ESTIMATED, LOCATED, LOWERED, MAIN_BUILT, MAPPED,
-                        MEMORY_PLANNED, PLACED, RECOMPUTE_PLANNED, TRACED, UPDATE_BUILT,
-                        UPDATE_PLACED)
+from .contracts import (
+    CODE_MADE,
+    COSTED,
+    ESTIMATED,
+    LOCATED,
+    LOWERED,
+    MAIN_BUILT,
+    MAPPED,
+    MEMORY_PLANNED,
+    PLACED,
+    RECOMPUTE_PLANNED,
+    TRACED,
+    UPDATE_BUILT,
+    UPDATE_PLACED,
+)
 from .front import check_overlap, count_streams, lower_model_graph, placement_of, trace_model
 from .manager import Pass, PassManager
 from .memory import MemoryReport, check_fits, plan_memory
 from .pipeline import input_ipus, input_stages, place_update
 from .placement import place
-from .precision import (add_scale_update, apply as apply_precision, floating_point_checks,
-                        watch_gradients)
+from .precision import add_scale_update, floating_point_checks, watch_gradients
+from .precision import apply as apply_precision
 from .program import build_main
 from .tile_mapping import map_graph
-from .update import (UpdateGraph, build_update, check_loss_scaling, numeric_update,
-                     sharded_state, update_plan)
+from .update import (
+    UpdateGraph,
+    build_update,
+    check_loss_scaling,
+    numeric_update,
+    sharded_state,
+    update_plan,
+)
 
 
 @dataclass

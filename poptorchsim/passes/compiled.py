@@ -8,13 +8,13 @@ from ..capture.trace import Capture
 from ..capture.update_capture import ParamUpdate
 from ..capture.update_rules import UpdatePlan
 from ..estimate.cost import OpCost
+from ..estimate.schedule import Schedule
 from ..estimate.targets import Target
 from ..ir.graph import Program
 from ..machine.gradient_watch import GradientWatch
 from ..machine.rounding import Rounding
 from .loss_scaling import Settings as LossScalingSettings
 from .memory import MemoryReport
-from ..estimate.schedule import Schedule
 
 
 @dataclass(kw_only=True)

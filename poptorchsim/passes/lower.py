@@ -23,7 +23,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..capture.blocks import NO_ACTIVE_BLOCK
-from ..capture.control_flow import MARKERS, OPS as FLOW
+from ..capture.control_flow import MARKERS
+from ..capture.control_flow import OPS as FLOW
 from ..errors import Error, UnsupportedOperationError
 from ..ir.graph import Graph, Op, Tensor
 from ..ir.ops import COND, LOOP, cost_class, is_inplace, unsupported_reason

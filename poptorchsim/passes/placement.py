@@ -16,8 +16,15 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from ..errors import Error
-from .pipeline import (assign_stages, check_rules, check_shared_weights, dense_stages,
-                       num_ipus_needed, pipeline_stage_count, stage_map_text)
+from .pipeline import (
+    assign_stages,
+    check_rules,
+    check_shared_weights,
+    dense_stages,
+    num_ipus_needed,
+    pipeline_stage_count,
+    stage_map_text,
+)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from ..errors import Error
 from ..machine.gradient_watch import GradientWatch
 from ..machine.precision import Rounding, mark_partials
 from ..machine.streams import Streams
-from .loss_scaling import (add_gradient_statistics, add_loss_scale_update,
-                                   mark_watched, settings as loss_scaling_settings)
+from .loss_scaling import add_gradient_statistics, add_loss_scale_update, mark_watched
+from .loss_scaling import settings as loss_scaling_settings
 
 logger = logging.getLogger("poptorchsim")
 

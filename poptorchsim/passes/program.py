@@ -30,8 +30,18 @@ traffic, and the activations that cross phases when they wait off chip.
 """
 from dataclasses import replace
 
-from ..ir.graph import (AllGather, AllReduce, Call, DeviceToHost, HostToDevice,
-                        ReduceScatter, RemoteLoad, RemoteStore, Repeat, Sequence)
+from ..ir.graph import (
+    AllGather,
+    AllReduce,
+    Call,
+    DeviceToHost,
+    HostToDevice,
+    ReduceScatter,
+    RemoteLoad,
+    RemoteStore,
+    Repeat,
+    Sequence,
+)
 from .memory import variable_phases
 
 

@@ -5,14 +5,14 @@ loss-scale update automatic loss scaling adds to it."""
 from dataclasses import dataclass
 from typing import Optional
 
+from ..capture.optimizer_checks import read_settings
 from ..capture.update_capture import ParamUpdate, capture_update
 from ..capture.update_rules import plan_update
 from ..errors import Error
 from . import locations as tensor_locations
+from . import optimizer_state as opt_layout
 from .host_scalars import mark_host_scalars
 from .lower import lower, mark_role
-from . import optimizer_state as opt_layout
-from ..capture.optimizer_checks import read_settings
 
 
 def update_plan(optimizer, ga, running_mean=False, auto_loss_scaling=False):

@@ -42,8 +42,9 @@ def write_report(report, directory):
 
     images, missing = {}, None
     try:
-        from . import plots
         import matplotlib  # noqa: F401 - probe only; plots import its parts lazily
+
+        from . import plots
     except ImportError:
         missing = "matplotlib is not installed (pip install matplotlib)."
     else:

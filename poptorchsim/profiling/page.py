@@ -2,8 +2,18 @@
 from html import escape
 
 from .sections import fold, ipu_section, ipu_summary_table, names, program_block, table
-from .text import (dtype_line, fit_line, precision_lines, recomputation_line, fmt_bytes,
-                   fmt_count, fmt_seconds, ipus as ipu_entries, locations_lines, op_label)
+from .text import (
+    dtype_line,
+    fit_line,
+    fmt_bytes,
+    fmt_count,
+    fmt_seconds,
+    locations_lines,
+    op_label,
+    precision_lines,
+    recomputation_line,
+)
+from .text import ipus as ipu_entries
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto;

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 TRAIN_RTOL = 1e-4
 TRAIN_ATOL = 1e-4
 INFER_RTOL = 1e-4

@@ -85,8 +85,8 @@ def kind_of(row):
 
 def measure_row(row):
     """Our (cycles, total bytes, max-tile bytes, note) for one reference row."""
-    from .measure import compile_layer, layer_cycles, memory_figures
     from .layers import build
+    from .measure import compile_layer, layer_cycles, memory_figures
     layer = build(row)
     compiled = compile_layer(layer)
     total, max_tile = memory_figures(compiled, code=row["tool"] in COMPILES_CODE)

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+
 def parse_params(text):
     """A tool's command line as {option: value} (``--a b`` and ``--a=b``;
     braces kept, see ``shape``)."""

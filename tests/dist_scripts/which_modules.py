@@ -9,12 +9,11 @@ real installed package is left alone.
 import json
 import sys
 
-import torch
-
 import popdist
 import popdist.poptorch
 import poptorch
 import poptorch.optim
+import torch
 from poptorch import DataLoader
 from poptorch.enums import DataLoaderMode
 

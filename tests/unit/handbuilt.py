@@ -22,9 +22,9 @@ import contextlib
 
 import torch
 
+from poptorchsim.estimate.targets import TEST_IPU
 from poptorchsim.ir.graph import Graph, Op, Program, Repeat, Sequence
 from poptorchsim.ir.ops import cost_class
-from poptorchsim.estimate.targets import TEST_IPU
 from poptorchsim.passes.pipeline import input_ipus
 from poptorchsim.passes.tile_mapping import map_graph
 from poptorchsim.runtime.state.weights import DeviceState

@@ -1,13 +1,22 @@
 """``passes.program.build_main`` alone: the control program of hand-built
 training and inference programs, step by step."""
-from poptorchsim.ir.graph import (AllGather, AllReduce, Call, DeviceToHost, HostToDevice,
-                                  ReduceScatter, RemoteLoad, RemoteStore, Repeat)
+from handbuilt import inference_program, kinds, map_tiles, mlp_step, training_program, walk
+
+from poptorchsim.ir.graph import (
+    AllGather,
+    AllReduce,
+    Call,
+    DeviceToHost,
+    HostToDevice,
+    ReduceScatter,
+    RemoteLoad,
+    RemoteStore,
+    Repeat,
+)
 from poptorchsim.ir.verify import verify_program
 from poptorchsim.passes.locations import Location
 from poptorchsim.passes.placement import Placement, place
 from poptorchsim.passes.program import build_main
-
-from handbuilt import inference_program, kinds, map_tiles, mlp_step, training_program, walk
 
 W = 4 * 4 * 4                     # bytes of one 4x4 fp32 weight
 

@@ -16,11 +16,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from poptorchsim.capture import blocks
-from poptorchsim.capture import trace as capture_trace, update_capture
+from poptorchsim.capture import blocks, update_capture
+from poptorchsim.capture import trace as capture_trace
 from poptorchsim.capture.update_capture import ParamUpdate, _flatten, capture_update
-from poptorchsim.capture.update_rules import UpdatePlan, RULES
-from poptorchsim.passes import liveness as memory, recompute
+from poptorchsim.capture.update_rules import RULES, UpdatePlan
+from poptorchsim.passes import liveness as memory
+from poptorchsim.passes import recompute
 from poptorchsim.passes.lower import _map_only
 from poptorchsim.passes.tile_mapping import TileMapping
 from poptorchsim.runtime import collector

@@ -4,16 +4,21 @@ hand-built graphs compiled by ``codegen.compile_graph`` (to check numerics
 against autograd)."""
 import pytest
 import torch
+from handbuilt import (
+    device_state,
+    inference_program,
+    mlp_step,
+    reference_sgd,
+    training_program,
+    walk,
+)
 
 from poptorchsim.ir.graph import AllGather, ReduceScatter, RemoteLoad, RemoteStore
-from poptorchsim.machine.codegen import compile_graph
 from poptorchsim.machine.call_state import OutputCollector, shard, unshard
+from poptorchsim.machine.codegen import compile_graph
 from poptorchsim.machine.engine import Engine
 from poptorchsim.passes.locations import Location
 from poptorchsim.passes.program import build_main
-
-from handbuilt import (device_state, inference_program, mlp_step, reference_sgd,
-                       training_program, walk)
 
 
 def _codes(di, ga, rf):

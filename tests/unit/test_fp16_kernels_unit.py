@@ -7,8 +7,12 @@ the rounding: subnormals, values near fp16's largest, zeros of both signs."""
 import pytest
 import torch
 
-from poptorchsim.machine.precision import (PARTIALS_CHUNK, ROUNDS_LIKE_FP32, SLICE_CHUNKS,
-                                           half_partials_mm)
+from poptorchsim.machine.precision import (
+    PARTIALS_CHUNK,
+    ROUNDS_LIKE_FP32,
+    SLICE_CHUNKS,
+    half_partials_mm,
+)
 
 aten = torch.ops.aten
 

@@ -5,17 +5,27 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from handbuilt import F32, Builder, aten, mlp_step, training_program, walk
 
 from poptorchsim.errors import Error
-from poptorchsim.ir.graph import (AllGather, AllReduce, Call, DeviceToHost,
-                                  HostToDevice, Op, ReduceScatter, RemoteLoad, RemoteStore,
-                                  Repeat, Sequence, Step)
-from poptorchsim.ir.verify import verify_graph, verify_program
 from poptorchsim.estimate.targets import TEST_IPU
+from poptorchsim.ir.graph import (
+    AllGather,
+    AllReduce,
+    Call,
+    DeviceToHost,
+    HostToDevice,
+    Op,
+    ReduceScatter,
+    RemoteLoad,
+    RemoteStore,
+    Repeat,
+    Sequence,
+    Step,
+)
+from poptorchsim.ir.verify import verify_graph, verify_program
 from poptorchsim.passes.program import build_main
 from poptorchsim.passes.tile_mapping import map_graph
-
-from handbuilt import F32, Builder, aten, mlp_step, training_program, walk
 
 
 def _relu_chain():

@@ -5,18 +5,17 @@ from collections import Counter
 
 import pytest
 import torch
+from handbuilt import device_state, inference_program, training_program, walk
 
-from poptorchsim.ir.graph import Call, Sequence
 from poptorchsim.estimate import program_cost
-from poptorchsim.machine.codegen import compile_graph
 from poptorchsim.estimate.cost import OpCost
-from poptorchsim.machine.call_state import OutputCollector, shard
-from poptorchsim.machine.engine import Engine
 from poptorchsim.estimate.targets import TEST_IPU
+from poptorchsim.ir.graph import Call, Sequence
+from poptorchsim.machine.call_state import OutputCollector, shard
+from poptorchsim.machine.codegen import compile_graph
+from poptorchsim.machine.engine import Engine
 from poptorchsim.passes.locations import Location
 from poptorchsim.passes.program import build_main
-
-from handbuilt import device_state, inference_program, training_program, walk
 
 DI, GA, RF = 2, 3, 2
 

@@ -4,16 +4,15 @@ import logging
 
 import numpy as np
 import pytest
+from handbuilt import map_tiles, mlp_step, training_program
 
 from poptorchsim.errors import Error
+from poptorchsim.estimate.targets import TEST_IPU
 from poptorchsim.ir.graph import Program, all_ops
 from poptorchsim.ir.verify import verify_program
-from poptorchsim.estimate.targets import TEST_IPU
 from poptorchsim.passes import recompute
 from poptorchsim.passes.pipeline import input_ipus, input_stages, place_update
 from poptorchsim.passes.placement import Placement, place
-
-from handbuilt import map_tiles, mlp_step, training_program
 
 TWO_IPUS = Placement({0: (0, 0), 1: (1, 1)}, (0, 1))
 
@@ -247,9 +246,9 @@ def test_a_tile_fuller_than_the_estimates_uncertainty_is_warned_of():
     from types import SimpleNamespace
 
     import numpy as np
+    from conftest import poptorchsim_log
 
     from poptorchsim.estimate.targets import MK2
-    from conftest import poptorchsim_log
     from poptorchsim.passes.memory import MAX_TILE_UNCERTAINTY, check_fits
     cap = 638_976
     tight = np.full(MK2.tiles, 1000.0)

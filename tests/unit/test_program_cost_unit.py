@@ -7,18 +7,25 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from handbuilt import map_tiles, mlp_step, training_program
 
-from poptorchsim.ir.graph import (AllGather, AllReduce, Call, HostToDevice, ReduceScatter,
-                                  RemoteLoad, RemoteStore, Repeat)
 from poptorchsim.estimate import constants as K
 from poptorchsim.estimate.cost import OpCost
 from poptorchsim.estimate.program_cost import estimate, link_cycles
-from poptorchsim.estimate.targets import MK2, TEST_IPU, with_io_tiles
 from poptorchsim.estimate.schedule import schedule
+from poptorchsim.estimate.targets import MK2, TEST_IPU, with_io_tiles
+from poptorchsim.ir.graph import (
+    AllGather,
+    AllReduce,
+    Call,
+    HostToDevice,
+    ReduceScatter,
+    RemoteLoad,
+    RemoteStore,
+    Repeat,
+)
 from poptorchsim.passes.placement import Placement, place
 from poptorchsim.passes.program import build_main
-
-from handbuilt import map_tiles, mlp_step, training_program
 
 DEVICE = ("compute", "exchange", "sync")
 T = TEST_IPU

@@ -3,6 +3,7 @@ every step kind, and a new kind fails in both until both have one."""
 from dataclasses import dataclass
 
 import pytest
+from handbuilt import inference_program
 
 from poptorchsim.estimate import program_cost
 from poptorchsim.estimate.targets import default_target
@@ -10,8 +11,6 @@ from poptorchsim.ir import visitor
 from poptorchsim.ir.graph import STEP_KINDS, Step
 from poptorchsim.ir.visitor import StepVisitor
 from poptorchsim.machine.engine import Engine
-
-from handbuilt import inference_program
 
 
 def _estimate_walk():

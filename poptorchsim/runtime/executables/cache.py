@@ -265,8 +265,8 @@ def _inputs_text(inputs, describe):
 def _optimizer_text(model, optimizer):
     if optimizer is None:
         return "none"
-    from ...capture.update_rules import plan_update
     from ...capture.optimizer_checks import read_settings
+    from ...capture.update_rules import plan_update
     # the structure of the update (type, flags, state types, loss scaling,
     # clipping); gradient accumulation and the reduction are in the options
     plan = plan_update(optimizer, read_settings(optimizer))

@@ -14,30 +14,30 @@ import torch
 import torch.utils._pytree as pytree
 
 from ... import enums
+from ...capture import optimizer_checks as opt_checks
 from ...capture.scopes import module_name_scopes
 from ...errors import Error, FloatingPointException
 from ...machine import host_device
 from ...machine.call_state import OutputCollector
 from ...machine.engine import Engine
-from ..executables import cache, export
+from ...passes.precision import GradientMonitor, keep_running_statistics_float
+from ...passes.update import update_plan
 from .. import compiler
-from ..state import lazy_weights
-from . import observe, replica_grouping
-from ...capture import optimizer_checks as opt_checks
+from ..executables import cache, export
+from ..reports import popart_log
+from ..reports.popart_ir import popart_ir
 from ..settings.config import CompileConfig, output_mode
 from ..settings.engine_options import profiling_directory
-from .host_copies import _HostCopies
-from ..state.host_memory import give_back_freed_memory
-from .inputs import ModelInputs
-from ..state.no_weights import has_meta_state, no_weights_error, require_weights
-from .optimizer_handling import _OptimizerHandling
-from ..reports.popart_ir import popart_ir
-from ..reports import popart_log
 from ..settings.session_options import parse as parse_options
-from ...passes.precision import GradientMonitor, keep_running_statistics_float
-from .results import _SimulationResults
-from ...passes.update import update_plan
+from ..state import lazy_weights
+from ..state.host_memory import give_back_freed_memory
+from ..state.no_weights import has_meta_state, no_weights_error, require_weights
 from ..state.weights import DeviceWeights
+from . import observe, replica_grouping
+from .host_copies import _HostCopies
+from .inputs import ModelInputs
+from .optimizer_handling import _OptimizerHandling
+from .results import _SimulationResults
 
 logger = logging.getLogger("poptorchsim")
 
@@ -199,6 +199,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         directory = profiling_directory(o)
         if directory is not None:
             import os
+
             from ...profiling import write_report
             write_report(self.simulationReport(sensitivity=True),
                          os.path.join(directory, self._model_name()))

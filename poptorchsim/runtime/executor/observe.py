@@ -20,8 +20,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ... import enums
 from ...errors import Error
-from ...machine.codegen import compile_graph
 from ...machine.call_state import OutputCollector
+from ...machine.codegen import compile_graph
 
 logger = logging.getLogger("poptorchsim")
 

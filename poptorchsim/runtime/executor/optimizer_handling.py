@@ -8,12 +8,12 @@ import logging
 import torch
 
 from ... import enums
+from ...capture import optimizer_checks as opt_checks
 from ...machine.batching import batched_graph, serial_reason
 from ...machine.call_state import Accumulation
-from .. import compiler
-from ...capture import optimizer_checks as opt_checks
-from ..reports import optimizer_log
 from ...passes.update import check_loss_scaling, update_plan
+from .. import compiler
+from ..reports import optimizer_log
 
 
 class _OptimizerHandling:

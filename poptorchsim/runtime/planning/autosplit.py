@@ -14,7 +14,6 @@ applies in one line: ``suggest_split(...).apply(model)``.
 """
 from dataclasses import dataclass, field, replace
 
-
 from ...capture import blocks as _blocks
 from ...errors import Error
 from ...estimate.targets import default_target

@@ -34,9 +34,9 @@ from tqdm.auto import tqdm
 from ...capture import blocks as _blocks
 from ...errors import Error
 from .. import compiler
-from .split import OneStagePerBlock, partition
 from ..settings.config import CompileConfig
 from .plan_result import Configuration, Evaluated, PlanResult  # the planner's API
+from .split import OneStagePerBlock, partition
 
 #: where the optimizer state lives -> TensorLocations settings
 OPTIMIZER_STATE = {

@@ -17,6 +17,7 @@ import logging
 
 from .popart_ir import op_type
 
+
 def _mode(spec):
     if getattr(spec, "phased", False):
         return "Phased"

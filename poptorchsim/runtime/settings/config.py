@@ -10,9 +10,10 @@ from dataclasses import dataclass, field, fields
 
 from ... import enums
 from ...estimate.targets import default_target, hardware_ipus
+from ...passes.precision import auto_loss_scaling
+from ...passes.precision import settings as precision_settings
 from .engine_options import allow_out_of_memory
 from .popart_options import recomputation_type, synthetic_data_mode
-from ...passes.precision import auto_loss_scaling, settings as precision_settings
 
 
 def _proportions(options):

@@ -20,12 +20,12 @@ import logging
 import torch
 
 from ... import enums
+from ...capture.optimizer_checks import read_settings
 from ...machine import host_device
 from ...machine.call_state import shard, unshard
 from ...machine.precision import LossScale
 from ...passes import optimizer_state as opt_layout
 from .host_memory import keep_freed_memory
-from ...capture.optimizer_checks import read_settings
 
 _log = logging.getLogger("poptorchsim")
 
