@@ -96,8 +96,9 @@ def test_the_cnn_benchmarks_name_scope_hooks_work():
     closes over the loop variable, so every scope is the last module's name)."""
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     for name, m in model.named_modules():
-        m.register_forward_pre_hook(  # the late binding is the pitfall this test reproduces
-            lambda _m, _i: P.push_name_scope(name.split(".")[-1]))  # noqa: B023
+        m.register_forward_pre_hook(
+            lambda _m, _i: P.push_name_scope(name.split(".")[-1]))  # noqa: B023 - the pitfall
+
         m.register_forward_hook(lambda _m, _i, _o: P.pop_name_scope())
     expected = model(X)                                   # runs on the CPU too
     opts = quiet_options().disableModuleNamescope()

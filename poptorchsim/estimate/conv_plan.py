@@ -303,4 +303,5 @@ def plan(c, tiles, limit_bytes, sync, coeff=8, memcpy=8):
         least = min(options, key=lambda o: (o[2], o[1]))
         if fallback is None or least[2] < fallback[2]:
             fallback = least
+    assert fallback is not None, "a layer has at least one plan"
     return fallback[3]

@@ -35,14 +35,16 @@ DeviceToHost    less what overlapped IO or the sync pattern hides
 =============== ============================================================
 """
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
 from ..ir.graph import Call, Repeat, Sequence
+from ..ir.kinds import Counter
 from ..ir.visitor import StepVisitor
 from . import constants as K
 from .cost import exchange_cycles, op_cost
-from .schedule import schedule
+from .schedule import Schedule, schedule
 
 KINDS = ("compute", "exchange", "sync", "host")      # an op's cycles (host: host ops' trips)
 
@@ -115,7 +117,7 @@ class _Charges:
     phased: float = 0.0            # phased execution's Streaming Memory traffic
     streams: dict = field(default_factory=dict)    # overlap mode -> host stream seconds
     recomputed: float = 0.0
-    schedule: object = None
+    schedule: Optional[Schedule] = None   # the model loop's, once charged
 
 
 class _Walk(StepVisitor):
@@ -175,7 +177,7 @@ class _Walk(StepVisitor):
 
     def _Call(self, step, times):
         if step.graph is self.model:          # outside a loop: a pipeline of one
-            loop, loop_times = self.loop or (Repeat(1, step, "call"), times)
+            loop, loop_times = self.loop or (Repeat(1, step, Counter.CALL), times)
             self._pipeline(loop, loop_times)
             return
         for k, v in graph_cycles(self.costs[step.graph.name]).items():
@@ -259,6 +261,7 @@ def estimate(program, costs, target):
     total["host"] += host_s * target.clock_hz       # streams, after host ops' trips
     total["total"] = sum(total.values())
     total["seconds"] = total["total"] / target.clock_hz
+    assert charges.schedule is not None, "every program calls its model graph"
     total["bubble"] = charges.schedule.bubble
     total["recompute"] = charges.recomputed       # part of "total", not added to it
     return total, charges.schedule
@@ -296,7 +299,7 @@ def _unsynced_host_seconds(program, sched, streams_s, device_s):
     least one replica's share on the critical path)."""
     pattern = program.sync_pattern
     if pattern == "SinglePipeline" and program.n_ipus > 1 and sched is not None:
-        busy = {}
+        busy: dict[int, float] = {}
         for ipu, _, _, duration in sched.events:
             busy[ipu] = busy.get(ipu, 0.0) + duration
         io_ipus = {program.ipu_of_stage[0], program.ipu_of_stage[-1]}

@@ -45,6 +45,7 @@ from typing import Any, Optional
 import torch
 
 from .custom import CUSTOM_NAMESPACE
+from .kinds import CostClass
 
 # cost class -> ATen operation names (OpOverloadPacket names, no overload)
 _CLASSES = {
@@ -230,9 +231,14 @@ def unsupported_reason(target: Any) -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def cost_class(target: Any) -> Optional[str]:
+def cost_class(target: Any) -> Optional[CostClass]:
     """The cost class of an ATen overload, or None when it cannot be lowered
     (not an ATen operation, or one PyTorch gives a dynamic output shape)."""
+    name = _cost_class_name(target)
+    return CostClass(name) if name is not None else None
+
+
+def _cost_class_name(target: Any) -> Optional[str]:
     name = _name(target)
     namespace = getattr(target, "namespace", None)
     if namespace == CUSTOM_NAMESPACE:

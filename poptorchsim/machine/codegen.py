@@ -146,7 +146,7 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
     if traced_dtypes is None:
         traced_dtypes = not graph.outputs_overwrite_inputs
     wide = traced_dtypes and rounding is not None and not fp_checks
-    maybe_wide = set()      # ids of the fp16 tensors that may be held in fp32
+    maybe_wide: set = set()      # ids of the fp16 tensors that may be held in fp32
     glb["_narrow"] = _narrow
 
     def name_of(t):
@@ -185,7 +185,7 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
     lines = ["def run(inputs):"]
     if graph.inputs:
         lines.append("    " + "".join(name_of(t) + ", " for t in graph.inputs) + "= inputs")
-    views = {}        # (view op, its arguments) -> the name of its first result
+    views: dict = {}        # (view op, its arguments) -> the name of its first result
     body = []         # (line, names it reads, names it makes)
     for k, op in enumerate(graph.ops):
         fn = f"_op{k}"
@@ -255,7 +255,7 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
     for i, (_, used, made) in enumerate(body):
         for n in made + sorted(used):        # never read: released at once
             last[n] = i
-    free = [[] for _ in body]
+    free: list[list] = [[] for _ in body]
     for n, i in last.items():
         if n not in keep:
             free[i].append(n)

@@ -173,7 +173,7 @@ def _tree_sum_half(partials):
     at once), the few left at the end added from the last.  A group's
     aligned power-of-two blocks are added level by level, all pairs of a
     level at once: the same tree."""
-    stack = []                      # (height, fp16 partial sum)
+    stack: list = []                      # (height, fp16 partial sum)
     for group in partials:
         start, g = 0, group.shape[-3]
         while start < g:

@@ -26,7 +26,7 @@ def buffer_roots(graph):
     """Which activations share a buffer: view results alias their input, and
     an element-wise result reuses an input buffer of the same size whose
     contents all die at that op (in place).  Returns ``find(tensor) -> root``."""
-    parent = {}
+    parent: dict = {}
 
     def find(t):
         root = t
@@ -42,7 +42,7 @@ def buffer_roots(graph):
             last[t.id] = k
     for t in graph.outputs:
         last[t.id] = len(graph.ops)
-    buffer_last = {}            # root id -> last use of anything stored there
+    buffer_last: dict = {}            # root id -> last use of anything stored there
 
     def join(out, r):
         parent[out.id] = r
@@ -120,7 +120,7 @@ class Liveness:
         if self.allowed is None:
             return runs
         # only at the ops of the phases that touch the buffer
-        pieces = ([], [], [])
+        pieces: tuple[list, list, list] = ([], [], [])
         for i, a, b in zip(*runs):
             mask = self.allowed[i, self.op_phase[a:b + 1]]
             edges = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]])))
@@ -274,7 +274,7 @@ class Temps:
         for k, row in self.rows.items():
             delta[k] += row
             delta[k + 1] -= row
-        totals = {}
+        totals: dict = {}
         for nbytes, phase in self.loads:
             totals[phase] = totals[phase] + nbytes if phase in totals else nbytes.copy()
         for phase, nbytes in totals.items():
@@ -353,7 +353,9 @@ def live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True, find
     find = find or buffer_roots(graph)
     overwrite = graph.outputs_overwrite_inputs
     skip = {t.id for t in graph.outputs} if overwrite else set()
-    first, last, buffers = {}, {}, {}
+    first: dict = {}
+    last: dict = {}
+    buffers: dict = {}
     for k, op in enumerate(graph.ops):
         for t in op.outputs:
             if (t is not None and t.role == "activation" and t.nbytes and t.id not in skip
@@ -406,9 +408,9 @@ def live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True, find
         for k, op in enumerate(graph.ops):
             c = column[int(op_phase[k])]
             for t in list(op.input_tensors()) + [o for o in op.outputs if o is not None]:
-                n = index.get(find(t).id)
-                if n is not None:
-                    allowed[n, c] = True
+                row = index.get(find(t).id)
+                if row is not None:
+                    allowed[row, c] = True
     live = Liveness(n_ops, start, end, gap_lo, gap_hi, phase_column, allowed)
     order = [buffers[i] for i in ids]
     if keep_small:
@@ -429,7 +431,7 @@ def add_loaded(temps, loads, op_phase):
     fraction = (temps != np.floor(temps)).any(axis=1)
     whole = ~fraction
     every = not fraction.any()
-    totals = {}
+    totals: dict = {}
     for nbytes, phase in loads:
         totals[phase] = totals[phase] + nbytes if phase in totals else nbytes.copy()
     for phase, nbytes in totals.items():

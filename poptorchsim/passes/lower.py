@@ -27,6 +27,7 @@ from ..capture.control_flow import MARKERS
 from ..capture.control_flow import OPS as FLOW
 from ..errors import Error, UnsupportedOperationError
 from ..ir.graph import Graph, Op, Tensor
+from ..ir.kinds import CostClass
 from ..ir.ops import COND, LOOP, cost_class, is_inplace, unsupported_reason
 from ..ir.verify import verify_graph
 
@@ -119,8 +120,8 @@ def lower(gm, name, roles, n_model_outputs=0):
     graph = root = Graph(name)
     scopes = [_Scope(root)]
     owner = {}                  # tensor -> the graph that defines it
-    env = {}
-    unsupported = OrderedDict()
+    env: dict = {}
+    unsupported: OrderedDict = OrderedDict()
     writes = {}                 # input tensor -> its new value (input mutations)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(roles):
@@ -290,7 +291,7 @@ def _control_flow(node, scopes, env, arg, bring, append, owner):
         scopes.pop()
         parent = scopes[-1].graph
         op = Op(len(parent.ops), name, LOOP, (body.info["carried"], body.outer), {}, [],
-                "loop", multi_output=True, subgraphs={"body": body.graph},
+                CostClass.LOOP, multi_output=True, subgraphs={"body": body.graph},
                 attrs={"count": body.info["count"]}, **where)
         env[node] = append(parent, op, vals)
     elif target is FLOW["cond_begin"]:
@@ -310,7 +311,7 @@ def _control_flow(node, scopes, env, arg, bring, append, owner):
         then = orelse.info["then"]
         parent = scopes[-1].graph
         op = Op(len(parent.ops), name, COND,
-                (then.info["condition"], then.outer, orelse.outer), {}, [], "cond",
+                (then.info["condition"], then.outer, orelse.outer), {}, [], CostClass.COND,
                 multi_output=True, subgraphs={"then": then.graph, "else": orelse.graph},
                 **where)
         env[node] = append(parent, op, vals)
@@ -353,7 +354,7 @@ def _group_multiconvs(graph):
     """Each ``MultiConv`` scope's convolutions, in trace order, become the
     members of one group of this graph (a copy: a scope object may be
     traced into several graphs)."""
-    groups = {}
+    groups: dict = {}
     for op in graph.ops:
         group = op.attrs.get("multiconv")
         if group is not None:
@@ -369,7 +370,7 @@ def _share_available_memory(graph):
     """Gradient matmuls and convolutions take the available-memory proportion
     of the forward op they differentiate (as PopART's grad ops copy it): those
     that read the same weight, or produce its gradient, in the same block."""
-    root = {}
+    root: dict = {}
     for op in graph.ops:
         if op.cost_class == "view" and op.outputs and op.outputs[0] is not None:
             ins = op.input_tensors()
@@ -384,7 +385,9 @@ def _share_available_memory(graph):
     if not annotated:
         return
     # the AMP ops that may take one: by the weights they read, by the shapes they make
-    readers, makers, index = {}, {}, {}
+    readers: dict = {}
+    makers: dict = {}
+    index: dict = {}
     for k, op in enumerate(graph.ops):
         if op.cost_class not in _AMP_CLASSES or op.available_memory is not None:
             continue

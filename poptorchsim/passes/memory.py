@@ -140,7 +140,7 @@ class MemoryReport:
     def bytes_by_dtype(self):
         """Always-live variable bytes over all tiles per dtype name, largest
         first (code and vertex state are not tensors and are left out)."""
-        totals = {}
+        totals: dict = {}
         for _, dtype, nbytes in self.tensors():
             totals[dtype] = totals.get(dtype, 0) + nbytes
         return dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))
@@ -328,7 +328,7 @@ def variable_phases(program):
     op that reads it (optimizer state and accumulators follow their
     parameter)."""
     phase_of_stage = program.phase_of_stage
-    phases = {}
+    phases: dict = {}
     for graph in program.graphs.values():
         for op in graph.ops:
             for t in op.input_tensors():

@@ -29,7 +29,7 @@ class Slot:
     ipu_name: str       # PopART's prefix, for state_dict()["ipu_state"]
 
 
-def slots(kind, flags):
+def slots(kind, flags) -> tuple[tuple[Slot, ...], tuple[Slot, ...]]:
     """(slots the update reads, slots it writes) for a parameter of a group
     with ``flags``."""
     f = flags
@@ -40,15 +40,15 @@ def slots(kind, flags):
         out = (Slot("velocity", "weight", "Accl___"),)
         return (out if f["nesterov"] else ()), out
     if kind in ("adam", "adamw", "lamb"):
-        s = (Slot("exp_avg", "first", "Accl1___"), Slot("exp_avg_sq", "second", "Accl2___"))
-        return s, s
+        moments = (Slot("exp_avg", "first", "Accl1___"), Slot("exp_avg_sq", "second", "Accl2___"))
+        return moments, moments
     if kind == "rmsprop":
-        s = [Slot("square_avg", "first", "Accl1___")]
+        rms = [Slot("square_avg", "first", "Accl1___")]
         if f["momentum"]:
-            s.append(Slot("momentum_buffer", "fp32", "Accl3___"))
+            rms.append(Slot("momentum_buffer", "fp32", "Accl3___"))
         if f["centered"]:
-            s.append(Slot("grad_avg", "second", "Accl2___"))
-        return tuple(s), tuple(s)
+            rms.append(Slot("grad_avg", "second", "Accl2___"))
+        return tuple(rms), tuple(rms)
     raise AssertionError(kind)
 
 

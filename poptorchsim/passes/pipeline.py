@@ -38,7 +38,7 @@ def dense_stages(stage_of_block, entered=()):
 
     Returns ``(where, keys)``: ``where`` = {block id: (stage index, IPU)},
     ``keys`` = [(stage id, IPU)] per stage index."""
-    seen = {}
+    seen: dict = {}
     for block in (None, *entered, *stage_of_block):
         if block in stage_of_block:
             seen.setdefault(stage_of_block[block], len(seen))
@@ -70,7 +70,7 @@ def assign_stages(graph, stage_of_block, training):
     run in the default block, key ``None``, where ``stage_of_block`` has one;
     otherwise (and ops whose block is unknown) with the stage of their
     inputs, or the first stage."""
-    placed = {}
+    placed: dict = {}
     first = min(stage_of_block.values()) if stage_of_block else (0, 0)
     for op in graph.ops:
         ins = [placed[t.id] for t in op.input_tensors() if t.id in placed]
@@ -93,7 +93,7 @@ def check_shared_weights(graph, tied):
     an error naming the modules that use it on each IPU and the fix.
 
     ``tied``: ``{name: [every module path of the tensor]}``, from capture."""
-    users = {}                       # tensor id -> {ipu: [module, ...]}
+    users: dict = {}                       # tensor id -> {ipu: [module, ...]}
     held = {t.id: t for t in graph.inputs if t.role in ("param", "buffer")}
     for op in graph.ops:
         if op.backward:
@@ -149,7 +149,7 @@ def input_ipus(graph):
 
 
 def _of_first_consumer(graph, attr):
-    found = {}
+    found: dict = {}
     for op in graph.ops:
         for t in op.input_tensors():
             found.setdefault(t.id, getattr(op, attr))
@@ -161,7 +161,7 @@ def stage_map_text(graph, stage_of_block):
     ``stage_of_block``: {block id: (stage index, IPU)}, ``where`` of
     ``dense_stages`` (block id ``None``: the ops before the first block)."""
     lines = []
-    by_stage = {}
+    by_stage: dict = {}
     for block, (stage, ipu) in stage_of_block.items():
         by_stage.setdefault((stage, ipu), []).append(block)
     for (stage, ipu), blocks in sorted(by_stage.items()):

@@ -3,6 +3,7 @@ running statistics kept in float32 (``runningStatisticsAlwaysFloat``)."""
 import contextlib
 import logging
 import os
+from typing import Optional
 
 import torch
 
@@ -162,7 +163,7 @@ class GradientMonitor:
         self.counted_call = None        # the call whose first micro-batch was counted
         self._since = 0                 # micro-batches run since that one
         self._scale = None
-        self._watch = None              # the GradientWatch counted last
+        self._watch: Optional[GradientWatch] = None     # the GradientWatch counted last
 
     def start(self, compiled, state, micro_batches=1):
         """A training call of ``micro_batches`` (over replicas) starts."""
@@ -170,9 +171,11 @@ class GradientMonitor:
         watch = compiled.watch
         if watch is not None:
             scale = _loss_scale(state)
-            if watch is not self._watch or self._since >= self.EVERY or scale != self._scale:
+            fresh = watch is not self._watch or self._since >= self.EVERY or scale != self._scale
+            if fresh:
                 watch.reset()       # a new program counts its first call
-                self._watch, self.counted_call = watch, self.calls
+                self._watch = watch
+                self.counted_call = self.calls
                 self._since, self._scale = 0, scale
             else:
                 watch.skip()

@@ -41,7 +41,9 @@ from ..ir.graph import (
     RemoteStore,
     Repeat,
     Sequence,
+    Step,
 )
+from ..ir.kinds import Counter
 from .memory import variable_phases
 
 
@@ -104,9 +106,10 @@ def build_main(program):
     if training:
         micro += _stores(program, "accumulator")
         whole, sharded = gradient_bytes(program)
-    body = [HostToDevice(program.in_bytes // di, _per_iteration(program.in_streams, di))]
+    body: list[Step] = [HostToDevice(program.in_bytes // di,
+                                     _per_iteration(program.in_streams, di))]
     if training:
-        body.append(Repeat(program.accumulation, _sequence(micro), "accumulation"))
+        body.append(Repeat(program.accumulation, _sequence(micro), Counter.ACCUMULATION))
         if R > 1 and whole:
             body.append(AllReduce(whole, R))
         if R > 1 and sharded:
@@ -123,7 +126,7 @@ def build_main(program):
         body += micro
     body.append(DeviceToHost(program.out_bytes // max(di, 1), "per output mode",
                              _per_iteration(program.out_streams, di)))
-    main = Repeat(di, Sequence(body), "device_iteration")
+    main = Repeat(di, Sequence(body), Counter.DEVICE_ITERATION)
     return replace(program, main=main, grad_bytes=whole + sharded)
 
 

@@ -217,7 +217,7 @@ def _standard_kept(ops, order):
         return set()
     n = len(order)
     position = {k: i for i, k in enumerate(order)}
-    last_read = {}
+    last_read: dict = {}
     made = _producers(ops, order)
     for k in order:
         for t in ops[k].input_tensors():
@@ -282,7 +282,10 @@ def gaps(graph, find, ids):
     if not rec:
         return lo, hi, recomputed, {}
     index = {i: n for n, i in enumerate(ids)}
-    kept, seg, fwd_last, bwd_first = set(), {}, {}, {}
+    kept: set = set()
+    seg: dict = {}
+    fwd_last: dict = {}
+    bwd_first: dict = {}
     for k, op in enumerate(graph.ops):
         for t in op.input_tensors():
             r = find(t).id
@@ -305,7 +308,7 @@ def gaps(graph, find, ids):
             else:
                 kept.add(r)
     kept.update(find(t).id for t in graph.outputs)
-    point = {}
+    point: dict = {}
     for r, s in seg.items():
         if r not in kept and r in bwd_first:
             point[s] = min(point.get(s, bwd_first[r]), bwd_first[r])
@@ -316,7 +319,7 @@ def gaps(graph, find, ids):
         recomputed[n] = True
         if point[s] > fwd_last[r] + 1:
             lo[n], hi[n] = fwd_last[r], point[s]
-    extend = {}
+    extend: dict = {}
     for op in rec.ops:
         p = point.get(rec.segment[op])
         if p is None:

@@ -39,7 +39,7 @@ def first_set(*values):
 
 def entered_blocks(blocks):
     """``{user_id: ipu_id}`` in the order the blocks were first entered."""
-    entered = {}
+    entered: dict = {}
     for user_id, ipu_id in blocks:
         entered.setdefault(user_id, ipu_id)
     return entered

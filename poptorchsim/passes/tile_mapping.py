@@ -102,7 +102,7 @@ def map_graph(graph, target, cursor=None, variables=None, input_ipu=None, full_b
         spread(t, input_ipu.get(t.name, 0))
         if t.role != "activation":
             variables[t.name] = t
-    const_ipu = {}
+    const_ipu: dict = {}
     for op in graph.ops:
         for t in op.input_tensors():
             if t.role == "const":
