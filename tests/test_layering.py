@@ -157,19 +157,10 @@ def test_the_order_checker_sees_an_upward_import(tmp_path):
         "estimate", "ir", "machine", "runtime"]
 
 
-# private names imported from another module below the face, and why they may be
-PRIVATE_EXEMPT = {
-    "runtime/executor/executor.py": "the executor's mix-ins (_HostCopies, _OptimizerHandling, "
-                           "_SimulationResults), one class spread over four files",
-}
-
-
 def test_no_private_names_cross_modules_below_the_face():
     offenders = []
     for path in _modules():
         name = str(path.relative_to(PACKAGE))
-        if name in PRIVATE_EXEMPT:
-            continue
         for node in ast.walk(ast.parse(path.read_text(), name)):
             if isinstance(node, ast.ImportFrom) and (
                     node.level > 0 or (node.module or "").startswith("poptorchsim")):

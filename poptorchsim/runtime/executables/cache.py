@@ -483,3 +483,18 @@ def _read(path, key):
     compiled.loaded_from = path
     logger.info("Loaded the executable from the cache: %s", path)
     return compiled
+
+
+def through_cache(options, training, model, source, compile_fn, args, kwargs):
+    """``(compiled, key)``: ``compile_fn(*args, **kwargs)``, or the cache's
+    program for the key of ``args``/``kwargs`` (``source``: where
+    ``loadExecutable`` takes it from instead of the cache directory).  The
+    IR's op names follow the model's module names unless the options turn
+    them off."""
+    from ...capture.scopes import module_name_scopes
+    namescopes = vars(options).get("_module_namescope_enabled", True)
+    extra = {} if namescopes else {"module_namescope": False}
+    key = key_for_compiler(training, args, kwargs, extra)
+    obtain = source or functools.partial(compile_cached, cache_directory(options))
+    with module_name_scopes(model, namescopes):
+        return obtain(key, lambda: compile_fn(*args, **kwargs)), key

@@ -76,7 +76,7 @@ def save(executor, filename, export_model=True, save_rng_state=True):
                     else ("value", t) for t in leaves], spec),
         "options": options,
         "training": executor._training if export_model else None,
-        "model": _pickled_model(executor.model, executor._optimizer) if export_model else None,
+        "model": _pickled_model(executor.model, executor._opt.optimizer) if export_model else None,
         "random_seed": getattr(options, "random_seed", None),
         "rng_state": torch.get_rng_state() if save_rng_state else None,
     }

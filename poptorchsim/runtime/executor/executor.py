@@ -6,22 +6,24 @@ call's combined batch to the
 engine in PopTorch's layout ``[deviceIterations, gradientAccumulation,
 replicas, micro-batch, ...]`` and returns outputs shaped as PopTorch does for
 the output mode.
+
+It is built by composition: it holds its parts and calls them with what they
+need, none reads its attributes.  The device weights (``state/weights.py``),
+the inputs (``inputs.py``), the observation (``observe.py``: anchors, cycle
+counts), the optimizer (``optimizer_handling.DeviceOptimizer``), the
+simulation's results (``results.SimulationResults``, with the report
+functions there), the engine (``machine/engine.py``, set up by
+``engine_setup.py``), the random-number state (``host_copies.py``).
 """
-import functools
 import logging
 
 import torch
-import torch.utils._pytree as pytree
 
 from ... import enums
-from ...capture import optimizer_checks as opt_checks
-from ...capture.scopes import module_name_scopes
 from ...errors import Error, FloatingPointException
 from ...machine import host_device
 from ...machine.call_state import OutputCollector
-from ...machine.engine import Engine
 from ...passes.precision import GradientMonitor, keep_running_statistics_float
-from ...passes.update import update_plan
 from .. import compiler
 from ..executables import cache, export
 from ..reports import popart_log
@@ -31,40 +33,18 @@ from ..settings.engine_options import profiling_directory
 from ..settings.session_options import parse as parse_options
 from ..state import lazy_weights
 from ..state.host_memory import give_back_freed_memory
-from ..state.no_weights import has_meta_state, no_weights_error, require_weights
+from ..state.no_weights import has_meta_state, require_weights
 from ..state.weights import DeviceWeights
-from . import observe, replica_grouping
-from .host_copies import _HostCopies
+from . import host_copies, observe, replica_grouping, results
+from .engine_setup import build_engine, configure_batching, configure_update, process_group
 from .inputs import ModelInputs
-from .optimizer_handling import _OptimizerHandling
-from .results import _SimulationResults
+from .optimizer_handling import DeviceOptimizer
+from .outputs import assemble, check_output_period, input_independent_outputs
 
 logger = logging.getLogger("poptorchsim")
 
 NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
-BACKWARD_ERR = (
-    "backward() cannot be called explicitly on outputs of a PopTorch model. If "
-    "you're using a trainingModel, the backwards pass is performed automatically "
-    "when invoking the model. If you're using an inferenceModel, you should use a "
-    "trainingModel instead.")
-
-
-def _raise_backward(*_args, **_kwargs):
-    raise Error(BACKWARD_ERR)
-
-
-def _input_independent_outputs(compiled):
-    """Indices of user outputs that do not depend on any input (constants)."""
-    graph = next(iter(compiled.program.graphs.values()))
-    dependent = {t.id for t in graph.inputs if t.role == "input"}
-    for op in graph.ops:
-        if any(t.id in dependent for t in op.input_tensors()):
-            dependent.update(t.id for t in op.outputs if t is not None)
-    n = compiled.capture.n_tensor_outputs
-    return {k for k, t in enumerate(graph.outputs[:n]) if t.id not in dependent}
-
-
-class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
+class PoplarExecutor:
     """A model wrapped for the simulated IPU (PopTorch's ``PoplarExecutor``)."""
 
     def __init__(self, model, options, training, optimizer=None):
@@ -75,25 +55,23 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         self._wrapped_training = model.training
         self._options = options
         self._training = training
-        self._optimizer = optimizer
         self._compiled = None
         self._weightless = False        # compiled with parameters on the meta device
-        self._has_run = False           # a training call ran since the optimizer state's upload
         self._fp_checks = False         # enableFloatingPointExceptions, as compiled
         self._attached = False
         self._weights = DeviceWeights(model, options, training)
         self._destroyed = False
-        self._perf = None
-        self._sim_clock = 0.0
         self._inputs = ModelInputs(model)
         self._output_mode = output_mode(options, training)
         self._observe = observe.Observation(options, self._output_mode)    # anchors, cycles
         self._gradients = GradientMonitor()     # fp16 gradients, automatic loss scaling
-        self._opt_settings = None       # the optimizer as the compiled update has it
-        self._attribute_tracker = opt_checks.AttributeTracker(options.relax_optimizer_checks)
+        self._results = results.SimulationResults(self._output_mode,
+                                                  options.output_return_period)
+        self._opt = DeviceOptimizer(self, model, options, training, self._weights)
+        self._opt.optimizer = optimizer
         self.per_replica_params = {}    # parameter name -> replica_grouping.ReplicaGrouping
         if training and optimizer is not None:
-            self._adopt_optimizer(optimizer)
+            self._opt.adopt(optimizer)
 
     # -- properties PopTorch has ------------------------------------------------
     @property
@@ -103,6 +81,10 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
     @property
     def options(self):
         return self._options
+
+    @property
+    def _optimizer(self):           # PopTorch's attribute: the optimizer it trains with
+        return self._opt.optimizer
 
     def __getattr__(self, name):
         if name.startswith("_"):
@@ -137,33 +119,12 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         with observe.compile_hooks():
             self._compile(*self._inputs.prepare(args, kwargs))
 
-    def _check_output_period(self):
-        di = self._options.device_iterations
-        period = self._options.output_return_period
-        if self._output_mode != enums.OutputMode.EveryN:
-            return
-        if period > di:
-            raise Error(f"Return period must be <= to the number of batches per step: "
-                        f"OutputMode.EveryN period {period} > deviceIterations {di}. "
-                        "Lower the period or raise deviceIterations.")
-        if di % period:
-            raise Error(f"Return period must be a factor of the number of batches per "
-                        f"step: deviceIterations {di} is not a multiple of the "
-                        f"OutputMode.EveryN period {period}.")
-
     def _compile(self, args, kwargs, leaves, spec, names, source=None):
-        self._check_output_period()
+        check_output_period(self._options, self._output_mode)
         self._observe.check(self._user_model)
         weightless = has_meta_state(self._user_model)
-        di, ga, rf = self._input_factors()
-        self._inputs.check_no_grad(leaves)
-        self._inputs.check_batch(leaves, di, ga, rf, self._options)
-        factor = di * ga * rf
-        # one micro-batch, dense as it lands on the device: an expanded or
-        # strided host tensor traces as a contiguous one (x.view(-1) works)
-        micro = pytree.tree_map_only(
-            torch.Tensor, lambda t: t[: (t.shape[0] // factor)].contiguous() if t.dim() else t,
-            (args, kwargs))
+        micro = self._inputs.micro_batch(args, kwargs, leaves, *self._input_factors(),
+                                         self._options)
         o = self._options
         config = CompileConfig.from_options(o, self._training)
         grouped = replica_grouping.for_compile(self.per_replica_params, self._user_model, o,
@@ -176,13 +137,13 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         try:
             with replica_grouping.one_row_each(self._user_model, grouped):
                 if self._training:
-                    compiled = self._through_cache(
-                        source, compiler.compile_training, self._user_model, self._optimizer,
-                        micro[0], micro[1], config)
+                    fn, fn_args = compiler.compile_training, (
+                        self._user_model, self._opt.optimizer, micro[0], micro[1], config)
                 else:
-                    compiled = self._through_cache(
-                        source, compiler.compile_inference, self._user_model, micro[0],
-                        micro[1], config)
+                    fn, fn_args = compiler.compile_inference, (
+                        self._user_model, micro[0], micro[1], config)
+                compiled, self._executable_key = cache.through_cache(
+                    o, self._training, self._user_model, source, fn, fn_args, {})
         finally:
             self._user_model.training = now
         self._config = config
@@ -192,7 +153,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         popart_log.log_lowering(compiled, config.placement, logger, config.locations)
         if self._training:
             replica_grouping.check_buffer_broadcast(compiled, self._user_model, o)
-        self._constant_outputs = _input_independent_outputs(compiled)
+        self._constant_outputs = input_independent_outputs(compiled)
         model_graph = compiled.program.graphs[compiled.program.model_graph]
         self._fp_checks = model_graph.floating_point_checks
         self._compiled = compiled
@@ -201,25 +162,19 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
             import os
 
             from ...profiling import write_report
-            write_report(self.simulationReport(sensitivity=True),
-                         os.path.join(directory, self._model_name()))
+            name = results.model_name(o, self._training)
+            write_report(self.simulationReport(sensitivity=True), os.path.join(directory, name))
         step = next(iter(compiled.program.graphs.values()))
         self._inputs.input_writes = step.input_writes
-        self._engine = Engine(compiled.step_fn, compiled.update_fn, self._shard_index(),
-                              n_writes=len(step.input_writes))
-        self._engine.streams = step.streams
-        self._engine.input_of = replica_grouping.input_rows(o)
-        self._engine.weight_groups = replica_grouping.engine_groups(compiled, grouped)
+        self._engine = build_engine(compiled, self._training, o, grouped)
         self._weights.grouped = tuple(grouped)
+        self._opt.bind(compiled, config, weightless)
         if self._training:
-            self._opt_settings, _ = update_plan(self._optimizer, ga, config.running_mean,
-                                                config.auto_loss_scaling)
-            self._log_optimizer(self._opt_settings)
-            self._device_state_changed()
-            self._configure_update()
+            configure_update(self._engine, compiled)
         self._observe.attach(compiled, self._engine)
-        self._configure_batching()
-        group = self._weights.group = self._process_group()   # training in several processes
+        configure_batching(self._engine, compiled, self._training, self._observe.tap is not None)
+        # training in several processes
+        group = self._weights.group = process_group(self._options, self._training)
         if group is not None:
             self._engine.reduce = group.all_reduce_sum
         self._inputs.remember(args, kwargs, leaves, spec, names)
@@ -230,34 +185,6 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         self._attached = True
         if self._training and self._weights.apart:
             lazy_weights.install(self._user_model, self)
-
-    def _process_group(self):
-        """The gloo group of a distributed training run (``Options.Distributed``),
-        or None: inference needs no reduction."""
-        d = self._options.Distributed
-        if d.numProcesses <= 1 or not self._training:
-            return None
-        from ...distributed import process_group
-        return process_group(d.processId, d.numProcesses)
-
-    def _shard_index(self):
-        """{index of a trainable parameter: replicas} for sharded optimizer state."""
-        c = self._compiled
-        if not self._training or not c.shards:
-            return {}
-        return {i: c.shards[n] for i, n in enumerate(c.capture.trainable_names)
-                if n in c.shards}
-
-    def _through_cache(self, source, compile_fn, *args, **kwargs):
-        """``compile_fn(*args, **kwargs)``, or the executable cache's program for
-        them (``cache.py``); ``source``: where ``loadExecutable`` takes it from."""
-        namescopes = vars(self._options).get("_module_namescope_enabled", True)   # IR op names
-        extra = {} if namescopes else {"module_namescope": False}
-        self._executable_key = cache.key_for_compiler(self._training, args, kwargs, extra)
-        obtain = source or functools.partial(cache.compile_cached,
-                                             cache.cache_directory(self._options))
-        with module_name_scopes(self._user_model, namescopes):
-            return obtain(self._executable_key, lambda: compile_fn(*args, **kwargs))
 
     def compileAndExport(self, filename, *args, export_model=True, **kwargs):
         """``compile`` for these inputs, then ``save`` to ``filename``."""
@@ -309,10 +236,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
 
     def _require_weights(self, what):
         """``NoWeightsError`` for a model compiled (or about to be) without weights."""
-        if self._weightless:
-            raise no_weights_error(self._user_model, what)
-        if self._compiled is None:
-            require_weights(self._user_model, what)
+        require_weights(self._user_model, what, self._weightless, self._compiled is None)
 
     # -- weights ------------------------------------------------------------------------
     @property
@@ -340,8 +264,8 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         return result
 
     def _upload(self, keep_optimizer_state=False):
-        self._has_run = self._has_run and keep_optimizer_state
-        self._weights.upload(self._compiled, self._optimizer, keep_optimizer_state)
+        self._opt.has_run = self._opt.has_run and keep_optimizer_state
+        self._weights.upload(self._compiled, self._opt.optimizer, keep_optimizer_state)
 
     def copyNamedBuffersToDevice(self):
         """Host -> device: only the buffers named in ``Options.updatableNamedBuffers``."""
@@ -352,20 +276,29 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
             raise Error(observe.NO_UPDATABLE_BUFFERS)
         self._weights.upload_buffers(self._compiled, names)
 
-    def _load_optimizer_state(self):
-        if self._weightless:            # no device state to load into
-            return
-        self._weights.load_optimizer_state(self._compiled, self._optimizer)
-
     def copyWeightsToHost(self):
         """Device -> host: the user's model gets the device weights and buffers."""
         self._require_compiled()
         self._require_weights("copy the weights to the host (copyWeightsToHost())")
         self._weights.download(self._compiled)
         if self._training:
-            self._keep_optimizer_state(self._optimizer)
+            self._opt.keep_state(self._opt.optimizer)
 
-    # -- the optimizer ---------------------------------------------------------------------
+    # -- the optimizer (optimizer_handling.DeviceOptimizer) -----------------------------------
+    def setOptimizer(self, optimizer):
+        """Uses ``optimizer`` from the next call on (``DeviceOptimizer.set``)."""
+        def after_rebuild():
+            c = self._compiled
+            configure_update(self._engine, c)
+            self._observe.attach(c, self._engine)   # anchors read the new update
+            configure_batching(self._engine, c, self._training, self._observe.tap is not None)
+        self._opt.set(optimizer, after_rebuild)
+
+    def _read_optimizer_state(self, optimizer):
+        """``optimizer.state_dict()`` reads the device state (``optim.py``)."""
+        self._opt.read_state(optimizer)
+
+    # -- attach / detach ----------------------------------------------------------------------
     def attachToDevice(self):
         self._require_compiled()
         if self._options.connection_type == enums.ConnectionType.Never:
@@ -382,7 +315,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
             raise Error("Device is not attached")
         if self._training:      # the weights are on the host after every call (CPU)
             self.copyWeightsToHostIfNeeded()    # or copied now (CUDA host device)
-            self._keep_optimizer_state(self._optimizer)
+            self._opt.keep_state(self._opt.optimizer)
         self._attached = False
 
     def isAttachedToDevice(self):
@@ -400,10 +333,10 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         run keeps its optimizer's host state as it was (the device's is the
         initial state it was given): no copy of it is made."""
         if self._compiled is not None and self._training and self._attached \
-                and self._has_run:
-            self._keep_optimizer_state(self._optimizer)
-        if self._training and hasattr(self._optimizer, "_use_on_device"):
-            self._optimizer._use_on_device(None)
+                and self._opt.has_run:
+            self._opt.keep_state(self._opt.optimizer)
+        if self._training and hasattr(self._opt.optimizer, "_use_on_device"):
+            self._opt.optimizer._use_on_device(None)
         self.copyWeightsToHostIfNeeded()    # the model gets the trained weights first
         lazy_weights.remove(self._user_model)
         self._release()
@@ -419,6 +352,7 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         IR, generated code), the engine, the device copy of the weights,
         buffers and optimizer state, the anchors' values, the gradient watch."""
         self._compiled = None
+        self._opt.release()
         self._attached = False
         self._weightless = False
         self._inputs = ModelInputs(self._inputs._model)     # a new call compiles for its own
@@ -428,6 +362,90 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
         self._gradients = GradientMonitor()
         self._inputs.call_tensors = []
         give_back_freed_memory()        # the heap keeps freed memory for steps otherwise
+
+    # -- simulation results (results.py) -------------------------------------------------
+    def memoryReport(self):
+        """The compiled program's memory per tile (``passes.memory.MemoryReport``)."""
+        self._require_compiled()
+        return self._compiled.memory
+
+    def cycleEstimate(self):
+        """Estimated cycles of one call, split compute/exchange/sync/host
+        (with conditionals, the branches the last call took)."""
+        self._require_compiled()
+        return results.cycle_estimate(self._compiled, vars(self).get("_engine"))
+
+    def precisionReport(self):
+        """fp16 in the last training call: the loss scale (and automatic loss
+        scaling's factor and scales), and the fp16 values the backward pass
+        lost to underflow or overflow, with the ops that lost the most."""
+        self._require_compiled()
+        return results.precision_report(self._compiled, self._training, self._gradients,
+                                        self._state)
+
+    def estimateSensitivity(self, top=None):
+        """How far to trust the throughput estimate: per cost-model constant,
+        the relative change of samples/s with it x0.8 (``low``) and x1.2
+        (``high``), the constants that move it most first (``top`` of them)."""
+        self._require_compiled()
+        return results.sensitivity_rows(self._compiled, self._options, top)
+
+    def simulationReport(self, sensitivity=False):
+        """Memory per tile, cycles per call and per op, liveness: a JSON-ready dict
+        (with ``sensitivity=True`` also ``estimateSensitivity()``'s rows)."""
+        self._require_compiled()
+        di, ga, rf = self._input_factors()        # the samples one call takes
+        micro = self._compiled.capture.example_inputs
+        batch = micro[0].shape[0] if micro and micro[0].dim() else 1
+        return results.simulation_report(
+            self._compiled, results.model_name(self._options, self._training),
+            batch * di * ga * rf, self.precisionReport(),
+            self.estimateSensitivity() if sensitivity else None)
+
+    def getPerfCounters(self):
+        """Simulated timestamps (seconds) of the last call: per tensor, per step."""
+        return self._results.counters()
+
+    # the latencies: (min, max, avg) seconds between two of the counters
+    def getHostIpuLatency(self):
+        return self._results.latency("input", "input_complete")
+
+    def getComputeLatency(self):
+        return self._results.latency("input_complete", "output")
+
+    def getIpuHostLatency(self):
+        return self._results.latency("output", "output_complete")
+
+    def getLatency(self):
+        return self._results.latency("input", "output_complete")
+
+    def compilationTime(self):
+        return results.compilation_time(self._compiled, self._options)
+
+    # -- the random-number state and lazy copies (host_copies.py) -------------------------
+    @property
+    def rng_state(self):
+        """The random generator's ``[seed, *state]`` (ints) of the compiled model."""
+        self._require_compiled()
+        return host_copies.rng_state(self._options)
+
+    @rng_state.setter
+    def rng_state(self, state):
+        self._require_compiled()
+        host_copies.set_rng_state(state)
+
+    @property
+    def _executable(self):
+        """The compiled program, or None before compilation and after
+        ``destroy()`` (PopTorch's handle on its Poplar executable; vision/cnns
+        tests ``if inference_model._executable: attachToDevice()``)."""
+        return vars(self).get("_compiled")
+
+    def copyWeightsToHostIfNeeded(self):
+        """True if the host's weights were out of date and have been updated
+        (``DeviceWeights.download_if_dirty``), False if they were up to date."""
+        weights = vars(self).get("_weights")
+        return weights is not None and weights.download_if_dirty(vars(self).get("_compiled"))
 
     # -- running ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -452,12 +470,12 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
                                   self._weights.device)
         mode = self._output_mode
         collector = OutputCollector(mode.name, self._options.output_return_period, di, ga, rf)
-        self._record_perf(len(inputs), di, ga, rf)
+        self._results.record_call(self._compiled, len(inputs), di, ga, rf)
         for counts in getattr(self._engine.step_fn, "branches", {}).values():
             counts[:] = [0, 0]                      # this call's branches only
         self._observe.start(di, ga, rf)
         if self._training:
-            self._send_loaded_optimizer_state()
+            self._opt.send_loaded_state()
         # floating-point checks on: an exception leaves the device as before the call
         before = self._state.snapshot() if self._fp_checks else None
         try:
@@ -469,8 +487,8 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
                 self._state.restore(before)
             raise
         if self._training:
-            self._has_run = True
-            self._device_state_changed()
+            self._opt.has_run = True
+            self._opt.state_changed()
             if self._weights.apart:
                 self._weights.dirty = True      # copied back when the model is read
             else:
@@ -478,27 +496,5 @@ class PoplarExecutor(_HostCopies, _OptimizerHandling, _SimulationResults):
             self._gradients.finish(self._compiled)
         self._inputs.write_back(self._engine.written)
         self._observe.finish(self._compiled)
-        return self._assemble(result)
+        return assemble(self._compiled, result, self._constant_outputs)
 
-    def _assemble(self, rows):
-        cap = self._compiled.capture
-        outs = []
-        for k in range(cap.n_tensor_outputs):
-            parts = [row[k] for row in rows]
-            if k in self._constant_outputs:     # host-side constant: b_dim is 1
-                parts = parts[:1]
-            if len(parts) == 1:
-                t = parts[0]
-            elif parts[0].dim() == 0:
-                t = torch.stack(parts)
-            else:
-                t = torch.cat(parts)
-            if t.dtype == torch.int64:
-                t = t.int()
-            elif t.dtype == torch.float64:
-                t = t.float()
-            t = t.detach().cpu()                # outputs come back to the host
-            t.backward = _raise_backward
-            outs.append(t)
-        leaves = [outs[d[1]] if d[0] == "tensor" else d[1] for d in cap.output_leaves]
-        return pytree.tree_unflatten(leaves, cap.output_spec)

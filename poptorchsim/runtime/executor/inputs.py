@@ -120,6 +120,18 @@ class ModelInputs:
                     "from within the model as an alternative, and return gradients as "
                     "outputs to your model, if required. (Pass x.detach() to the model.)")
 
+    def micro_batch(self, args, kwargs, leaves, di, ga, rf, o):
+        """The inputs checked (no gradients, batch dimensions that divide)
+        and cut to one micro-batch, dense as it lands on the device: an
+        expanded or strided host tensor traces as a contiguous one
+        (``x.view(-1)`` works)."""
+        self.check_no_grad(leaves)
+        self.check_batch(leaves, di, ga, rf, o)
+        factor = di * ga * rf
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: t[: (t.shape[0] // factor)].contiguous() if t.dim() else t,
+            (args, kwargs))
+
     def check_batch(self, leaves, di, ga, rf, o):
         """Every input's batch dimension divides by the combined batch factor."""
         factor = di * ga * rf

@@ -1,117 +1,100 @@
-"""``PoplarExecutor``'s simulation results: memory per tile, the cycle
-estimate, the fp16 report, sensitivity, the JSON report, PopTorch's
-performance counters and latencies, the compilation time.  ``executor.py``
-mixes ``_SimulationResults`` into ``PoplarExecutor``."""
+"""The simulation's results as ``PoplarExecutor`` reports them: memory per
+tile, the cycle estimate, the fp16 report, sensitivity, the JSON report,
+PopTorch's performance counters and latencies, the compilation time.
+
+``SimulationResults`` holds what the calls leave behind (the last call's
+simulated timestamps and the simulated clock); the functions read a
+compiled program given to them.  The executor owns one ``SimulationResults``
+and calls these with its compiled program (composition: nothing here reads
+the executor's attributes)."""
+import datetime
+
 from ...errors import Error
 from .. import compiler
 from ..reports.perf import call_timeline, latency
 
+NO_COUNTERS = ("input", "input_complete", "output", "output_complete")
 
-class _SimulationResults:
-    """Needs ``_require_compiled``, ``_compiled``, ``_options``, ``_training``,
-    ``_factors``, ``_gradients``, ``_state``, ``_output_mode``, ``_perf`` and
-    ``_sim_clock`` from the executor."""
 
-    def memoryReport(self):
-        """The compiled program's memory per tile (``passes.memory.MemoryReport``)."""
-        self._require_compiled()
-        return self._compiled.memory
+class SimulationResults:
+    """PopTorch's performance counters: the simulated timestamps (seconds)
+    of the last call, on a clock that runs on from call to call."""
 
-    def cycleEstimate(self):
-        """Estimated cycles of one call, split compute/exchange/sync/host.
-        A program with conditionals (``poptorch.cond``) pays the longer
-        branch until it has run; then, the branches its last call took."""
-        self._require_compiled()
-        taken = self._branches_taken()
-        if taken:
-            return dict(compiler.estimate_with_branches(self._compiled, taken))
-        return dict(self._compiled.cycles)
+    def __init__(self, output_mode, return_period):
+        self.output_mode, self.return_period = output_mode, return_period
+        self.perf = None            # {counter: rows of timestamps}, or None
+        self.clock = 0.0            # the simulated device clock (seconds)
 
-    def _branches_taken(self):
-        """{conditional op: [then, else] counts} of the last call, or None."""
-        engine = getattr(self, "_engine", None)
-        branches = getattr(getattr(engine, "step_fn", None), "branches", None)
-        return branches if branches and any(sum(v) for v in branches.values()) else None
-
-    def precisionReport(self):
-        """fp16 in the last training call: the loss scale (and, with automatic
-        loss scaling, its update factor and the scale after each weight
-        update), and how many fp16 values the backward pass computed
-        underflowed to zero or overflowed to infinity (against the same op
-        in fp32), with the ops that lost the most."""
-        self._require_compiled()
-        if not self._training:
-            return {"loss_scale": 1.0, "automatic_loss_scaling": None, "gradients": None}
-        return self._gradients.report(self._compiled, self._state)
-
-    def estimateSensitivity(self, top=None):
-        """How far to trust the throughput estimate: per cost-model constant
-        (``estimate.constants``), the relative change of the samples/s
-        estimate with it x0.8 (``low``) and x1.2 (``high``), the constants
-        that move it most first (``top`` of them, or all).  Only the costs
-        are recomputed, not the graph."""
-        from ..planning.sensitivity import sensitivity
-        self._require_compiled()
-        amp = self._options.available_memory_proportion.get("IPU0", 0.6)
-        rows = [r.as_dict() for r in sensitivity(self._compiled, amp)]
-        return rows[:top] if top else rows
-
-    def simulationReport(self, sensitivity=False):
-        """Memory per tile, cycles per call and per op, liveness: a JSON-ready dict
-        (with ``sensitivity=True`` also ``estimateSensitivity()``'s rows)."""
-        from ..reports.report import build_report
-        self._require_compiled()
-        di, ga, rf = self._input_factors()        # the samples one call takes
-        micro = self._compiled.capture.example_inputs
-        batch = micro[0].shape[0] if micro and micro[0].dim() else 1
-        report = build_report(self._compiled, self._model_name(), batch * di * ga * rf)
-        report["precision"] = self.precisionReport()
-        if sensitivity:
-            report["sensitivity"] = self.estimateSensitivity()
-        return report
-
-    def _model_name(self):
-        return getattr(self._options, "model_name",
-                       "training" if self._training else "inference")
-
-    def _record_perf(self, n_inputs, di, ga, rf):
-        c = self._compiled
-        program = c.program
-        if program.synthetic_data:        # no host IO, no perf counters (PopTorch)
-            self._perf = None
+    def record_call(self, compiled, n_inputs, di, ga, rf):
+        """The timestamps of a call of ``compiled`` with ``n_inputs`` inputs
+        over ``di`` x ``ga`` x ``rf`` micro-batches (none with synthetic data,
+        as in PopTorch)."""
+        program = compiled.program
+        if program.synthetic_data:
+            self.perf = None
             return
-        self._perf, self._sim_clock = call_timeline(
-            c.cycles, c.target, di, ga, rf, n_inputs, c.capture.n_tensor_outputs,
-            program.in_bytes, program.out_bytes, self._output_mode.name,
-            self._options.output_return_period, self._sim_clock)
+        self.perf, self.clock = call_timeline(
+            compiled.cycles, compiled.target, di, ga, rf, n_inputs,
+            compiled.capture.n_tensor_outputs, program.in_bytes, program.out_bytes,
+            self.output_mode.name, self.return_period, self.clock)
 
-    def getPerfCounters(self):
-        """Simulated timestamps (seconds) of the last call: per tensor, per step."""
-        if self._perf is None:
-            return {k: [[]] for k in ("input", "input_complete", "output", "output_complete")}
-        return {k: [list(v) for v in rows] for k, rows in self._perf.items()}
+    def counters(self):
+        """``getPerfCounters()``: per counter, per tensor, per step."""
+        if self.perf is None:
+            return {k: [[]] for k in NO_COUNTERS}
+        return {k: [list(v) for v in rows] for k, rows in self.perf.items()}
 
-    def getHostIpuLatency(self):
-        """(min, max, avg) seconds from input to input_complete."""
-        return latency(self.getPerfCounters(), "input", "input_complete")
+    def latency(self, start, end):
+        """(min, max, avg) seconds from counter ``start`` to ``end``."""
+        return latency(self.counters(), start, end)
 
-    def getComputeLatency(self):
-        """(min, max, avg) seconds from input_complete to output."""
-        return latency(self.getPerfCounters(), "input_complete", "output")
 
-    def getIpuHostLatency(self):
-        """(min, max, avg) seconds from output to output_complete."""
-        return latency(self.getPerfCounters(), "output", "output_complete")
+def model_name(options, training):
+    """The report's name for the model (``Options.modelName``, else its kind)."""
+    return getattr(options, "model_name", "training" if training else "inference")
 
-    def getLatency(self):
-        """(min, max, avg) seconds from input to output_complete."""
-        return latency(self.getPerfCounters(), "input", "output_complete")
 
-    def compilationTime(self):
-        import datetime
-        if self._compiled is None:
-            raise Error("Please compile the model before obtaining compilation time.")
-        if not self._options.show_compilation_progress_bar:
-            raise Error("Please set showCompilationProgressBar option to obtain "
-                        "compilation time.")
-        return datetime.timedelta(seconds=self._compiled.compile_seconds)
+def cycle_estimate(compiled, engine=None):
+    """Estimated cycles of one call, split compute/exchange/sync/host.  A
+    program with conditionals (``poptorch.cond``) pays the longer branch
+    until it has run; then, the branches its last call took (``engine``'s)."""
+    branches = getattr(getattr(engine, "step_fn", None), "branches", None)
+    if branches and any(sum(v) for v in branches.values()):
+        return dict(compiler.estimate_with_branches(compiled, branches))
+    return dict(compiled.cycles)
+
+
+def precision_report(compiled, training, gradients, state):
+    """fp16 in the last training call (``passes.precision.GradientMonitor``)."""
+    if not training:
+        return {"loss_scale": 1.0, "automatic_loss_scaling": None, "gradients": None}
+    return gradients.report(compiled, state)
+
+
+def sensitivity_rows(compiled, options, top=None):
+    """Per cost-model constant, the relative change of the samples/s
+    estimate with it x0.8 and x1.2, the constants that move it most first."""
+    from ..planning.sensitivity import sensitivity
+    amp = options.available_memory_proportion.get("IPU0", 0.6)
+    rows = [r.as_dict() for r in sensitivity(compiled, amp)]
+    return rows[:top] if top else rows
+
+
+def simulation_report(compiled, name, samples, precision, sensitivity=None):
+    """The JSON-ready report (``reports/report.py``) of ``samples`` per call."""
+    from ..reports.report import build_report
+    report = build_report(compiled, name, samples)
+    report["precision"] = precision
+    if sensitivity is not None:
+        report["sensitivity"] = sensitivity
+    return report
+
+
+def compilation_time(compiled, options):
+    """PopTorch's ``compilationTime()``: how long the compile took."""
+    if compiled is None:
+        raise Error("Please compile the model before obtaining compilation time.")
+    if not options.show_compilation_progress_bar:
+        raise Error("Please set showCompilationProgressBar option to obtain "
+                    "compilation time.")
+    return datetime.timedelta(seconds=compiled.compile_seconds)

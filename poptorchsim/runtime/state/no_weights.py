@@ -29,7 +29,9 @@ def no_weights_error(model, what):
         "new parameters) or poptorch.inferenceModel.")
 
 
-def require_weights(model, what):
-    """Raises ``NoWeightsError`` if ``model`` has a parameter or buffer on meta."""
-    if has_meta_state(model):
+def require_weights(model, what, compiled_without=False, not_compiled=True):
+    """Raises ``NoWeightsError`` for ``what`` if ``model`` was compiled
+    without weights (``compiled_without``) or, not compiled yet, has a
+    parameter or buffer on meta."""
+    if compiled_without or (not_compiled and has_meta_state(model)):
         raise no_weights_error(model, what)

@@ -364,6 +364,16 @@ class DeviceWeights:
             if c.plan.kind not in ("sgd", "sgd_combined"):
                 entry["step"] = step.to("cpu", copy=True)
 
+    def download_if_dirty(self, compiled):
+        """Device -> host when the host's weights are out of date: True if
+        they were copied.  On the CPU the trained weights are the model's own
+        after every call (never dirty); on a CUDA host device they are copied
+        when the model is read (``lazy_weights.py``) or here."""
+        if not self.dirty or compiled is None:
+            return False
+        self.download(compiled, fresh=False)
+        return True
+
     def download(self, compiled, fresh=True):
         """Device -> host: weights and buffers.  ``fresh``: look the host
         tensors up by name (the user may have replaced one); after a training
