@@ -448,6 +448,36 @@ def test_none_for_a_compiled_tensor_input_is_a_type_mismatch():
         model(torch.ones(2))
 
 
+def test_named_arguments_positional_count_and_constants_are_checked_as_popTorch_does():
+    """``**kwargs`` entries missing or added ("Keys mismatch for named
+    arguments"), a different number of positional arguments (``*args``
+    counted as given), and a non-tensor argument with another value than
+    the one compiled in: each refused with PopTorch's text, the model
+    unchanged (the compiled call still runs)."""
+    class Net(nn.Module):
+        def forward(self, a, *rest, u=3, **named):
+            out = a * u
+            for t in list(rest) + list(named.values()):
+                out = out + t
+            return out
+
+    model = poptorchsim.inferenceModel(Net(), quiet_options())
+    x = torch.ones(2)
+    expected = model(x, x, u=5, m=x)
+    with pytest.raises(poptorchsim.Error, match="Keys mismatch for named arguments: "
+                                                "Missing arguments: m."):
+        model(x, x, u=5)
+    with pytest.raises(poptorchsim.Error, match="Keys mismatch for named arguments: "
+                                                "Unexpected arguments: q."):
+        model(x, x, u=5, m=x, q=x)
+    with pytest.raises(poptorchsim.Error, match="Number of positional arguments mismatch: "
+                                                "expected 2 arguments but got 3."):
+        model(x, x, x, u=5, m=x)
+    with pytest.raises(poptorchsim.Error, match="Value mismatch for u: expected 5 but got 3."):
+        model(x, x, u=3, m=x)
+    torch.testing.assert_close(model(x, x, u=5, m=x), expected)
+
+
 def test_none_scalar_and_nested_outputs():
     class Nested(nn.Module):
         def forward(self, x, scale=2.0, extra=None):
@@ -487,7 +517,9 @@ def test_one_hot_without_class_count_says_how_to_fix():
         def forward(self, y):
             return F.one_hot(y)
 
-    with pytest.raises(poptorchsim.DataDependentError, match="num_classes"):
+    with pytest.raises(poptorchsim.DataDependentError,
+                       match="^OneHot num classes must be specified and must be constant. "
+                             ".*num_classes=N"):
         poptorchsim.inferenceModel(OneHot(), quiet_options())(torch.tensor([1, 2]))
 
 

@@ -1,5 +1,6 @@
 """Error paths: exception type, message, and no side effect on the weights."""
 import copy
+import logging
 import re
 
 import pytest
@@ -10,6 +11,7 @@ from conftest import (
     assert_state_close,
     assert_unchanged,
     classification_batch,
+    poptorchsim_log,
     quiet_options,
     reference_call,
     snapshot,
@@ -91,7 +93,7 @@ def test_shape_change_after_compile():
         training_model(x2, y2)
     assert isinstance(info.value, poptorchsim.Error)
     assert str(info.value) == (
-        "Shape mismatch for x: expected torch.Size([8, 6]) but got torch.Size([16, 6])"
+        "Shape mismatch for x: expected torch.Size([8, 6]) but got torch.Size([16, 6])."
         + MISMATCH_SUFFIX)
     assert_unchanged(model, before)
     # The original shape still works afterwards.
@@ -657,7 +659,7 @@ def test_non_tensor_argument_value_change():
     inference_model(torch.randn(4, 6))
     with pytest.raises(poptorchsim.InputMismatchError) as info:
         inference_model(torch.randn(4, 6), 3)
-    assert str(info.value) == "Value mismatch for k: expected 2 but got 3" + MISMATCH_SUFFIX
+    assert str(info.value) == "Value mismatch for k: expected 2 but got 3." + MISMATCH_SUFFIX
 
 
 def test_zero_sized_input():
@@ -821,17 +823,25 @@ def test_an_optimizer_over_other_parameters_is_refused():
     poptorchsim.trainingModel(model, opts, sgd(model))(*classification_batch(8))
 
 
-def test_inputs_that_require_grad_are_refused_as_poptorch_does():
-    model = ClassifierWithLoss()
-    before = snapshot(model)
+def test_inputs_that_require_grad_are_detached_with_poptorchs_warning():
+    """PopTorch 3 detaches an input that requires grad and warns: the model
+    trains as with the detached input, and no gradient reaches the caller's
+    tensor, on the compiling call and after it."""
+    model, reference = ClassifierWithLoss(), ClassifierWithLoss()
+    reference.load_state_dict(model.state_dict())
     tm = poptorchsim.trainingModel(model, quiet_options(), sgd(model))
+    ref = poptorchsim.trainingModel(reference, quiet_options(), sgd(reference))
     x, y = classification_batch(8)
-    with pytest.raises(poptorchsim.Error, match="An input tensor to an IPU model can not have "
-                       "requires_grad set to True, however input 0 does"):
-        tm(x.requires_grad_(), y)
-    assert_unchanged(model, before)
-    assert not tm.isCompiled()
-    tm(x.detach(), y)
+    with poptorchsim_log(logging.WARNING) as records:
+        _, loss = tm(x.clone().requires_grad_(), y)
+    assert "Input tensor has requires_grad=True set. This tensor will be detached because " \
+           "backward pass via inputs is not supported." in records.messages
+    torch.testing.assert_close(loss, ref(x, y)[1], rtol=0, atol=0)
+    again = x.clone().requires_grad_()
+    torch.testing.assert_close(tm(again, y)[1], ref(x, y)[1], rtol=0, atol=0)
+    assert again.grad is None
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_option_errors_say_how_to_fix_them():

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ATOL, RTOL, ClassifierWithLoss, quiet_options
+from conftest import ATOL, RTOL, ClassifierWithLoss, poptorchsim_log, quiet_options
 from torch import nn
 
 import poptorchsim as poptorch
@@ -141,8 +141,36 @@ def test_tensor_names_follow_the_ir():
     names = model.getTensorNames()
     ir = str(model.getIR())
     assert {"fc1.weight", "input0", "fc1/addmm", "act/relu"} <= set(names)   # module name scopes
-    assert all(f"%{n}" in ir for n in names if "___" not in n)
+    assert all(f"%{n}" in ir for n in names if "___" not in n and n != "lossScaling_FLOAT")
     assert "Gradient___fc2.bias" in names and "UpdatedVar___fc2.weight" in names
+    # the optimizer's tensors, as PopART names them (those of state_dict()["ipu_param"])
+    assert "scaledLearningRate0___specific___fc2.weight" in names
+    assert "lossScaling_FLOAT" in names
+
+
+def test_an_optimizer_tensor_cannot_be_anchored():
+    opts = quiet_options()
+    opts.anchorTensor("lr", "scaledLearningRate0___specific___fc2.weight")
+    model = poptorch.trainingModel(ClassifierWithLoss(), opts)
+    with pytest.raises(poptorch.Error, match="the optimizer's tensors cannot be anchored "
+                                             "here; read their values with "
+                                             r"optimizer.state_dict\(\)\['ipu_param'\]"):
+        model(torch.randn(4, 6), torch.randint(0, 4, (4,)))
+
+
+def test_anchors_are_logged_as_popTorch_lowers_them():
+    """PopTorch's debug line per anchor: ``  anchor ( <tensor> <MODE>/<period> )``."""
+    opts = quiet_options()
+    opts.anchorTensor("g", "Gradient___fc2.bias", poptorch.OutputMode.EveryN, 2)
+    opts.anchorTensor("u", "UpdatedVar___fc2.weight", poptorch.OutputMode.Sum)
+    opts.deviceIterations(2)
+    model = poptorch.trainingModel(ClassifierWithLoss(), opts)
+    with poptorchsim_log() as records:
+        model(torch.randn(8, 6), torch.randint(0, 4, (8,)))
+    lines = records.messages
+    assert "  anchor ( Gradient___fc2.bias EVERYN/2 )" in lines
+    assert "  anchor ( UpdatedVar___fc2.weight Sum/1 )" in lines
+    assert lines.index("  anchor ( UpdatedVar___fc2.weight Sum/1 )") < lines.index("}")
 
 
 def test_anchored_gradient_activation_and_update_match_pytorch():

@@ -3,6 +3,7 @@ PopTorch's debug log of the lowering, both written from poptorchsim's IR."""
 import json
 import logging
 
+import pytest
 import torch
 from conftest import poptorchsim_log, quiet_options
 from torch import nn
@@ -98,6 +99,31 @@ def test_the_lowering_log_says_where_each_op_runs():
                for line in lines)
     assert any(" Mul:0/1 " in line and " mode(Pipelined), ipu(1), stage(1)" in line
                for line in lines)
+
+
+@pytest.mark.parametrize("default_block_ops", [False, True])
+def test_auto_increment_stages_are_logged_as_popTorch_numbers_them(default_block_ops):
+    """AutoStage.AutoIncrement numbers blocks in the order they are entered,
+    PopTorch's default block 0: with no op before the first block, the log
+    says stage(1) for it (the program's stage 0), else stage(0) and on."""
+    class Net(nn.Module):
+        def forward(self, x):
+            if default_block_ops:
+                x = x + 1
+            with poptorchsim.Block(ipu_id=0):
+                x = x * 2
+            with poptorchsim.Block(ipu_id=1):
+                return x * 3
+
+    opts = quiet_options().deviceIterations(4)
+    opts.setExecutionStrategy(poptorchsim.PipelinedExecution(
+        poptorchsim.AutoStage.AutoIncrement))
+    with poptorchsim_log() as records:
+        poptorchsim.inferenceModel(Net(), opts).compile(torch.randn(4, 5))
+    lines = [line for line in records.messages if " Mul:" in line]
+    first = 0 if default_block_ops else 1
+    assert " mode(Pipelined), ipu(0), stage(%d)" % first in lines[0]
+    assert " mode(Pipelined), ipu(1), stage(%d)" % (first + 1) in lines[1]
 
 
 class ThreeBlocks(nn.Module):

@@ -148,6 +148,7 @@ def _copy_out(out, result):
 def _one_hot(tensor, num_classes=-1):
     if num_classes < 0:
         raise DataDependentError(
+            "OneHot num classes must be specified and must be constant. "
             "F.one_hot(tensor) without num_classes takes its class count from the "
             "largest value in the tensor, which the static IPU program cannot know. "
             "Pass the class count: F.one_hot(tensor, num_classes=N).")

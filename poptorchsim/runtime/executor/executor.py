@@ -147,10 +147,10 @@ class PoplarExecutor:
         finally:
             self._user_model.training = now
         self._config = config
-        # PopTorch's backend reads the options: an unknown one is an error, and
-        # each is logged at debug level
+        # PopTorch's backend reads the options (an unknown one is an error), logged
         parse_options(self._options._backend_dict(self._output_mode))
-        popart_log.log_lowering(compiled, config.placement, logger, config.locations)
+        popart_log.log_lowering(compiled, config.placement, logger, config.locations,
+                                self._observe.anchors)
         if self._training:
             replica_grouping.check_buffer_broadcast(compiled, self._user_model, o)
         self._constant_outputs = input_independent_outputs(compiled)
@@ -211,11 +211,11 @@ class PoplarExecutor:
         return self._compiled.program
 
     def getTensorNames(self):
-        """Names ``Options.anchorTensor`` accepts: the IR's, plus
-        ``Gradient___<param>`` and ``UpdatedVar___<param>`` in training."""
+        """The IR's tensor names, ``Gradient___<param>`` and ``UpdatedVar___<param>``
+        (which ``Options.anchorTensor`` accepts) and the optimizer's (PopART's)."""
         assert self._compiled is not None, \
             "Model must be compiled before calling getTensorNames"
-        return observe.tensor_names(self._compiled)
+        return observe.tensor_names(self._compiled) + self._opt.tensor_names()
 
     def getAnchoredTensor(self, short_name):
         """The value of anchor ``short_name`` after the last call."""

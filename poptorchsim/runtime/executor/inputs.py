@@ -7,6 +7,8 @@ compiled for with PopTorch's texts, lays the combined batch out as
 writes inputs that ``forward`` changed in place back to the caller's tensors.
 """
 
+import logging
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -61,17 +63,15 @@ def _check_like_structure(value, like, arg_names):
         if c is _TENSOR and not isinstance(v, torch.Tensor):
             raise InputMismatchError(f"Type mismatch for {name}: expected {torch.Tensor} "
                                      f"but got {type(v)}." + MISMATCH_SUFFIX)
+        if isinstance(c, (bool, int, float, str, type(None))):   # compiled in as constants
+            if type(v) is not type(c):
+                raise InputMismatchError(f"Type mismatch for {name}: expected {type(c)} "
+                                         f"but got {type(v)}." + MISMATCH_SUFFIX)
+            if v != c:      # compiled into the program: the same value only
+                raise InputMismatchError(f"Value mismatch for {name}: expected {c} but got "
+                                         f"{v}." + MISMATCH_SUFFIX)
         if isinstance(c, dict) and isinstance(v, dict):
-            if set(v) != set(c):
-                details = []
-                if set(v) - set(c):
-                    details.append("Unexpected arguments: " +
-                                   ", ".join(sorted(map(str, set(v) - set(c)))))
-                if set(c) - set(v):
-                    details.append("Missing arguments: " +
-                                   ", ".join(sorted(map(str, set(c) - set(v)))))
-                raise InputMismatchError(f"Keys mismatch for {name}: {'. '.join(details)}."
-                                         + MISMATCH_SUFFIX)
+            keys(name, v, c)
             for k in c:
                 check(f"{name}[{k}]", v[k], c[k])
         elif isinstance(c, (list, tuple)) and type(v) is type(c):
@@ -81,9 +81,26 @@ def _check_like_structure(value, like, arg_names):
             for i, (a, b) in enumerate(zip(v, c)):
                 check(f"{name}[{i}]", a, b)
 
+    def keys(name, v, c):
+        if set(v) != set(c):
+            details = []
+            if set(v) - set(c):
+                details.append("Unexpected arguments: " +
+                               ", ".join(sorted(map(str, set(v) - set(c)))))
+            if set(c) - set(v):
+                details.append("Missing arguments: " +
+                               ", ".join(sorted(map(str, set(c) - set(v)))))
+            raise InputMismatchError(f"Keys mismatch for {name}: {'. '.join(details)}."
+                                     + MISMATCH_SUFFIX)
+
     (args, kwargs), (like_args, like_kwargs) = value, like
+    if len(args) != len(like_args):
+        raise InputMismatchError("Number of positional arguments mismatch: expected "
+                                 f"{len(like_args)} arguments but got {len(args)}."
+                                 + MISMATCH_SUFFIX)
     for name, v, c in zip(arg_names, args, like_args):
         check(name, v, c)
+    keys("named arguments", kwargs, like_kwargs)
     for k in set(kwargs) & set(like_kwargs):
         check(k, kwargs[k], like_kwargs[k])
 
@@ -108,28 +125,27 @@ class ModelInputs:
         self.input_writes = []        # which of them forward() changes in place
 
     @staticmethod
-    def check_no_grad(leaves):
-        """No input requires grad (PopTorch's text): the model's backward pass
-        runs on the device and does not reach the caller's tensors."""
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        for idx, t in enumerate(tensors):
-            if t.requires_grad:
-                raise Error(
-                    "An input tensor to an IPU model can not have requires_grad set to "
-                    f"True, however input {idx} does: {t}\nYou can set requires_grad=True "
-                    "from within the model as an alternative, and return gradients as "
-                    "outputs to your model, if required. (Pass x.detach() to the model.)")
+    def warn_requires_grad(leaves):
+        """An input that requires grad is detached, with PopTorch's warning
+        (PopTorch 3's ``_preprocessGraph``): the backward pass runs on the
+        device and does not reach the caller's tensors."""
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                logging.getLogger("poptorchsim").warning(
+                    "Input tensor has requires_grad=True set. This tensor will be detached "
+                    "because backward pass via inputs is not supported.")
 
     def micro_batch(self, args, kwargs, leaves, di, ga, rf, o):
-        """The inputs checked (no gradients, batch dimensions that divide)
-        and cut to one micro-batch, dense as it lands on the device: an
-        expanded or strided host tensor traces as a contiguous one
-        (``x.view(-1)`` works)."""
-        self.check_no_grad(leaves)
+        """The inputs checked (batch dimensions that divide; those that
+        require grad detached, with a warning) and cut to one micro-batch,
+        dense as it lands on the device: an expanded or strided host tensor
+        traces as a contiguous one (``x.view(-1)`` works)."""
+        self.warn_requires_grad(leaves)
         self.check_batch(leaves, di, ga, rf, o)
         factor = di * ga * rf
         return pytree.tree_map_only(
-            torch.Tensor, lambda t: t[: (t.shape[0] // factor)].contiguous() if t.dim() else t,
+            torch.Tensor,
+            lambda t: t.detach()[: (t.shape[0] // factor)].contiguous() if t.dim() else t.detach(),
             (args, kwargs))
 
     def check_batch(self, leaves, di, ga, rf, o):
@@ -213,18 +229,18 @@ class ModelInputs:
                 if not isinstance(got, torch.Tensor):
                     raise InputMismatchError(
                         f"Type mismatch for {name}: expected {torch.Tensor} but got "
-                        f"{type(got)}" + MISMATCH_SUFFIX)
+                        f"{type(got)}." + MISMATCH_SUFFIX)
                 if got.dtype != want.dtype:
                     raise InputMismatchError(
                         f"Data type mismatch for {name}: expected {want.dtype} but got "
-                        f"{got.dtype}" + MISMATCH_SUFFIX)
+                        f"{got.dtype}." + MISMATCH_SUFFIX)
                 if got.shape != want.shape:
                     raise InputMismatchError(
                         f"Shape mismatch for {name}: expected {want.shape} but got "
-                        f"{got.shape}" + MISMATCH_SUFFIX)
+                        f"{got.shape}." + MISMATCH_SUFFIX)
             elif got != want:
                 raise InputMismatchError(
-                    f"Value mismatch for {name}: expected {want} but got {got}"
+                    f"Value mismatch for {name}: expected {want} but got {got}."
                     + MISMATCH_SUFFIX)
 
     @staticmethod

@@ -122,6 +122,11 @@ class AnchorTap:
         trainable = compiled.capture.trainable_names
         self.step_anchors, self.update_anchors, extra = [], [], []
         for a in anchors:
+            if a.long not in names and ("___specific___" in a.long
+                                        or a.long == "lossScaling_FLOAT"):
+                raise Error(f"anchorTensor({a.short!r}, {a.long!r}): the optimizer's tensors "
+                            "cannot be anchored here; read their values with "
+                            "optimizer.state_dict()['ipu_param'].")
             if a.long not in names:
                 raise Error(f"anchorTensor({a.short!r}, {a.long!r}): the model has no tensor "
                             f"named {a.long!r}. Pick one of getTensorNames() (the IR's "

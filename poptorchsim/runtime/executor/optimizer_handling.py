@@ -161,6 +161,14 @@ class DeviceOptimizer:
         if not self.weightless:
             self.weights.load_optimizer_state(self.compiled, self.optimizer)
 
+    def tensor_names(self):
+        """PopART's names of the optimizer's tensors on the device
+        (``scaledLearningRate0___specific___fc.weight``, ...), for
+        ``getTensorNames()``; none in inference or before compiling."""
+        if not self.training or self.compiled is None:
+            return []
+        return self.weights.optimizer_tensor_names(self.compiled, self.optimizer)
+
     # -- PopTorch's texts -------------------------------------------------------------------
     def log(self, settings, old=None):
         """PopTorch's debug lines for the optimizer the device now holds,

@@ -15,6 +15,7 @@ rest): the tensors named as PopART names them (``<name scope>/<type>:<output>``,
 Nothing is computed when the log is not at debug level."""
 import logging
 
+from ...passes.pipeline import has_default_block
 from .popart_ir import op_type
 
 
@@ -46,10 +47,15 @@ def _phased_settings(program, spec, locations, log):
             log.debug("location_%s set to value useOnChipStorage(False)", kind)
 
 
-def log_lowering(compiled, placement, log, locations=None):
+#: PopTorch's names of the output modes in its lowering log (``outputModeToString``)
+MODE_NAMES = {"Final": "FINAL", "EveryN": "EVERYN", "All": "ALL", "Sum": "Sum"}
+
+
+def log_lowering(compiled, placement, log, locations=None, anchors=()):
     """Writes PopTorch's lowering lines for ``compiled`` (placed by the
     strategy spec ``placement``, with the user's tensor ``locations``) to
-    ``log`` at debug level."""
+    ``log`` at debug level; ``anchors``: the anchored tensors
+    (``executor.observe.Anchor``: tensor name, output mode, period)."""
     if not log.isEnabledFor(logging.DEBUG):
         return
     program = compiled.program
@@ -60,6 +66,11 @@ def log_lowering(compiled, placement, log, locations=None):
     log.debug("enablePipelining set to value %d", int(mode == "Pipelined" and len(used) > 1))
     if mode == "Phased":
         _phased_settings(program, placement, locations, log)
+    # AutoStage.AutoIncrement numbers the blocks as they were entered, PopTorch's
+    # default block (the ops before the first block) first: where that block
+    # holds no ops, PopTorch's stage numbers start from 1, the program's from 0
+    auto = getattr(placement, "auto_increment", False)
+    first_stage = int(bool(auto) and not has_default_block(graph))
     log.debug("Graph lowered to PopART {")
     taken = {}
     for op in forward:
@@ -78,9 +89,11 @@ def log_lowering(compiled, placement, log, locations=None):
             phase = phases[min(op.stage, len(phases) - 1)] * _phase_scale(placement)
             where = f" mode(Phased), ipu({op.ipu}), phase({phase})"
         else:
-            where = f" mode({mode}), ipu({op.ipu}), stage({op.stage})"
+            where = f" mode({mode}), ipu({op.ipu}), stage({op.stage + first_stage})"
         schema = getattr(op.target, "_schema", None)          # aten::mul, as PopTorch's
         text = schema.name if schema is not None else str(op.target)   # graph prints it
         log.debug("%s = %s was lowered to %s [%s,%s]", op.name, text, ", ".join(names),
                   ", ".join(types), where)
+    for a in anchors:
+        log.debug("  anchor ( %s %s/%d )", a.long, MODE_NAMES[a.mode.name], a.period)
     log.debug("}")

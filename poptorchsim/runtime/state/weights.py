@@ -279,6 +279,10 @@ class DeviceWeights:
             ipu_state["lossScaleUpdateFactor"] = self.state.loss_scale.factor.to("cpu", copy=True)
         return {"ipu_state": ipu_state, "ipu_param": ipu_param}
 
+    def optimizer_tensor_names(self, compiled, optimizer):
+        """PopART's names of the optimizer's tensors (``ipu_param``'s keys)."""
+        return list(self._popart_params(compiled, optimizer))
+
     def _popart_params(self, compiled, optimizer):
         """``ipu_param``: PopART's optimizer tensors (``learningRate___specific___fc.weight``,
         SGD's ``scaledLearningRate0___specific___...``, ``lossScaling_FLOAT``) with
