@@ -197,6 +197,28 @@ def test_unsupported_ops_reported_together(training):
     assert_unchanged(model, before)
 
 
+def test_a_boolean_mask_index_is_refused_naming_the_op_and_line():
+    """A boolean mask's result has as many rows as the mask has True values,
+    which PyTorch's trace leaves symbolic: refused as PopTorch refuses it (it
+    raises its tracer's DynamicOutputShapeException), with the op and the
+    model's line, the model unchanged."""
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.fc(x)[torch.tensor([True, False])]
+
+    model = Masked()
+    before = snapshot(model)
+    with pytest.raises(poptorchsim.UnsupportedOperationError,
+                       match=r"aten.index.Tensor \(used 1x: its output shape depends on "
+                             r"tensor values\)\n.*in forward"):
+        poptorchsim.inferenceModel(model, quiet_options())(torch.randn(2, 2))
+    assert_unchanged(model, before)
+
+
 class ItemInForward(nn.Module):
     def __init__(self):
         super().__init__()

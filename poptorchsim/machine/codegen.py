@@ -255,7 +255,7 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
     for i, (_, used, made) in enumerate(body):
         for n in made + sorted(used):        # never read: released at once
             last[n] = i
-    free: list[list] = [[] for _ in body]
+    free = [[] for _ in body]
     for n, i in last.items():
         if n not in keep:
             free[i].append(n)

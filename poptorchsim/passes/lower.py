@@ -63,6 +63,11 @@ def _unsupported(node, target):
         vals = pytree.tree_leaves(node.meta.get("val"))
         if any(isinstance(v, torch.Tensor) and v.is_complex() for v in vals):
             why = "complex tensors: the IPU has no complex number types"
+        elif any(isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape)
+                 or isinstance(v, torch.SymInt) for v in vals):
+            # a shape PyTorch's trace left symbolic (a boolean-mask index,
+            # nonzero's count): known only once the values are
+            why = "its output shape depends on tensor values"
     return why
 
 
