@@ -246,6 +246,20 @@ def test_launcher_variables_must_agree_with_options(monkeypatch):
         tm(torch.randn(3, 6), torch.randint(0, 4, (3,)))
 
 
+def test_an_offline_compile_of_one_process_needs_no_other(monkeypatch):
+    """Each process of a distributed run compiles for an offline target on
+    its own (PopTorch's offline precompilation): no launcher, no peers; the
+    training step is compiled and its estimate made."""
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    opts = poptorchsim.Options().showCompilationProgressBar(False).useOfflineIpuTarget()
+    opts.Distributed.configureProcessId(1, 6)
+    model = train_small.Small()
+    tm = poptorchsim.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    tm.compile(torch.randn(3, 6), torch.randint(0, 4, (3,)))
+    assert tm.isCompiled() and tm.cycleEstimate()["total"] > 0
+
+
 def test_distributed_inference_needs_no_process_group(monkeypatch):
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)

@@ -118,6 +118,23 @@ def test_more_ipus_than_the_system_has_fail_to_acquire(monkeypatch):
         _infer(poptorch.Options().autoRoundNumIPUs(True), replicas=2)
 
 
+def test_an_executable_compiled_offline_loads_and_runs_on_hardware(monkeypatch, tmp_path):
+    """The user guide's precompilation: compiled for an offline target,
+    exported, loaded (the offline flags dropped) and run on the hardware;
+    the loaded program is still checked against the system's IPUs."""
+    monkeypatch.setenv("POPTORCHSIM_IPU_HARDWARE", "64")
+    opts = poptorch.Options().deviceIterations(3).autoRoundNumIPUs(True)
+    opts.useOfflineIpuTarget(poptorch.ipuHardwareVersion())
+    x = torch.randn(3, 8)
+    poptorch.inferenceModel(_Three(), opts).compileAndExport(str(tmp_path / "m.poptorch"), x)
+    loaded = poptorch.load(str(tmp_path / "m.poptorch"))
+    assert loaded(x).shape == (3, 8)
+    monkeypatch.setenv("POPTORCHSIM_IPU_HARDWARE", "2")          # 3 IPUs, rounded to 4
+    with pytest.raises(poptorch.Error, match=r"Failed to acquire 4 IPU\(s\): the simulated "
+                                             r"system reports 2 IPUs"):
+        poptorch.load(str(tmp_path / "m.poptorch"))
+
+
 _GUARDED = textwrap.dedent("""
     import sys
     import poptorch

@@ -179,7 +179,7 @@ def num_ipus_needed(stage_of_block):
     return max(len(ipus), max(ipus) + 1)
 
 
-def _reserve(total, auto_round, hardware, logger):
+def reserve_ipus(total, auto_round, hardware, logger=None):
     """PopTorch's reservation of ``total`` IPUs on hardware of ``hardware``
     IPUs: a power of 2 (rounded up with autoRoundNumIPUs, else refused), and
     no more than the system has."""
@@ -214,7 +214,7 @@ def check_rules(*, training, pipelined, n_stages, di, ga, rf, n_ipus, auto_round
         raise Error(f"Too many IPUs requested ({total}). Experiments that need more than "
                     "64 IPUs require distributed execution.")
     if hardware is not None:
-        _reserve(total, auto_round, hardware, logger)
+        reserve_ipus(total, auto_round, hardware, logger)
     elif total & (total - 1) and logger is not None:
         # PopTorch reserves IPU hardware in powers of 2 and refuses other
         # counts without autoRoundNumIPUs; the IPU Model and offline targets,

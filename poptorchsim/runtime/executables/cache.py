@@ -492,9 +492,16 @@ def through_cache(options, training, model, source, compile_fn, args, kwargs):
     IR's op names follow the model's module names unless the options turn
     them off."""
     from ...capture.scopes import module_name_scopes
+    from ...passes.pipeline import reserve_ipus
     namescopes = vars(options).get("_module_namescope_enabled", True)
     extra = {} if namescopes else {"module_namescope": False}
     key = key_for_compiler(training, args, kwargs, extra)
     obtain = source or functools.partial(compile_cached, cache_directory(options))
     with module_name_scopes(model, namescopes):
-        return obtain(key, lambda: compile_fn(*args, **kwargs)), key
+        compiled = obtain(key, lambda: compile_fn(*args, **kwargs))
+    config = args[-1]
+    if config.hardware is not None:     # PopTorch's reservation, on this system's IPUs
+        program = compiled.program
+        reserve_ipus(program.n_ipus * program.replicas, config.auto_round,
+                     config.hardware)
+    return compiled, key

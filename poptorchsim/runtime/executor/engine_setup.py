@@ -7,6 +7,7 @@ program and the engine, called by the executor after a compile and after a
 new optimizer rebuilt the update."""
 import torch
 
+from ... import enums
 from ...machine.batching import batched_graph, serial_reason
 from ...machine.call_state import Accumulation
 from ...machine.engine import Engine
@@ -27,9 +28,12 @@ def build_engine(compiled, training, options, grouped):
 
 def process_group(options, training):
     """The gloo group of a distributed training run (``Options.Distributed``),
-    or None: inference needs no reduction."""
+    or None: inference needs no reduction, and a compile for an offline
+    target (``ConnectionType.Never``) runs no step, so each process compiles
+    on its own, as in PopTorch."""
     d = options.Distributed
-    if d.numProcesses <= 1 or not training:
+    if d.numProcesses <= 1 or not training \
+            or options.connection_type == enums.ConnectionType.Never:
         return None
     from ...distributed import process_group as gloo_group
     return gloo_group(d.processId, d.numProcesses)

@@ -57,9 +57,11 @@ class CompileConfig:
     placement: object = None          # passes.stages StagedSpec / PhasedSpec: the execution
                                       # strategy as data (None: PopTorch's default)
     auto_round: bool = False          # autoRoundNumIPUs
-    hardware: object = None           # IPUs reported as hardware (POPTORCHSIM_IPU_HARDWARE),
-                                      # None without, or with the IPU Model or an offline target
-                                      # (in the cache key: it decides whether a model compiles)
+    # IPUs reported as hardware (POPTORCHSIM_IPU_HARDWARE), None without, or with the
+    # IPU Model or an offline target. Not in the cache key: it shapes no program, it
+    # only decides whether one may run; every program obtained, compiled, cached or
+    # loaded from an exported file, is checked against it (executables/cache.py)
+    hardware: object = field(default=None, metadata={"key": False})
     locations: dict = field(default_factory=dict)   # TensorLocations settings per kind
     io_tiles: int = 0
     precision: dict = None            # passes.precision.settings
