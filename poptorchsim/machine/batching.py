@@ -19,6 +19,7 @@ replica.  The buffers come out bit for bit as in the serial order.
 """
 from collections import Counter
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -202,8 +203,8 @@ class _RowByRow(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, kernel, *args):
         dims = [d if isinstance(a, torch.Tensor) else None for a, d in zip(args, in_dims[1:])]
-        args = [a.movedim(d, 0) if d is not None else a for a, d in zip(args, dims)]
-        rows = [_no_none(kernel(*[a[i] if d is not None else a for a, d in zip(args, dims)]))
+        moved = [a.movedim(d, 0) if d is not None else a for a, d in zip(args, dims)]
+        rows = [_no_none(kernel(*[a[i] if d is not None else a for a, d in zip(moved, dims)]))
                 for i in range(info.batch_size)]
         outs = [torch.stack([r[k] for r in rows]) if rows[0][k].numel() else rows[0][k]
                 for k in range(len(rows[0]))]
@@ -421,7 +422,8 @@ def batched_graph(graph, summed=None, per_row=False):
         kept = iter(outs[:n_head])
         return [sums[slots[pos][0]][slots[pos][1]] if pos in slots else next(kept)
                 for pos in range(n_head + len(slots))]
-    run.tail = compile_graph(split.tail) if split else None
-    run.n_boundary = len(split.boundary) if split else 0
-    run.deferred = len(deferred)
-    return run
+    batched: Any = run      # the batched step, with what the engine reads of it
+    batched.tail = compile_graph(split.tail) if split else None
+    batched.n_boundary = len(split.boundary) if split else 0
+    batched.deferred = len(deferred)
+    return batched

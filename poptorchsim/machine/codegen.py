@@ -7,6 +7,7 @@ walks the program's control steps.
 """
 import math
 from collections import Counter
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ def _in_place(graph):
 
 def _aliases(target):
     schema = getattr(target, "_schema", None)
-    return bool(schema) and any(r.alias_info is not None for r in schema.returns)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def run_loop(count, body, carried, read, streams=None):
@@ -139,7 +140,7 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
     rounding = rounding if rounding is not None else graph.rounding
     watch = watch if watch is not None else graph.watch
     streams = streams if streams is not None else graph.streams
-    glb = {}
+    glb: dict[str, Any] = {}
     names = {}
     traced = {}         # globals holding traced tensors and devices (``_place``)
     in_place = {} if fp_checks or not in_place else _in_place(graph)
@@ -255,7 +256,7 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
     for i, (_, used, made) in enumerate(body):
         for n in made + sorted(used):        # never read: released at once
             last[n] = i
-    free = [[] for _ in body]
+    free: list[list] = [[] for _ in body]
     for n, i in last.items():
         if n not in keep:
             free[i].append(n)
@@ -271,7 +272,7 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
         _place(glb, traced, device)
     code = compile(source, f"<poptorchsim graph {graph.name}>", "exec")
     exec(code, glb)  # noqa: S102 - our own generated code
-    run = glb["run"]
+    run: Any = glb["run"]          # the generated function, with its source and branches
     run.source = source
     run.branches = branches
     return run

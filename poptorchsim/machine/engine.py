@@ -38,11 +38,13 @@ DeviceToHost    outputs kept as the output mode asks (``OutputCollector``)
 
 The graphs themselves run as generated Python (``codegen.compile_graph``).
 """
+from typing import Any, Optional
+
 import torch
 
 from ..ir.visitor import StepVisitor
 from . import replica_groups
-from .call_state import Update, shard, unshard
+from .call_state import Accumulation, Update, shard, unshard
 
 
 class Engine(StepVisitor):
@@ -65,10 +67,11 @@ class Engine(StepVisitor):
         # per trainable parameter: (state slots the update reads, slots it
         # writes); None: all of them, both ways
         self.slot_counts = None
-        self.accumulation = None    # an Accumulation; None: plain sums
+        self.accumulation: Optional[Accumulation] = None   # None: plain sums
         # runs many micro-batches of the training step as one call
-        # (batching.batched_graph); None: one after another
-        self.batch_fn = None
+        # (batching.batched_graph, with its tail, n_boundary and deferred); None:
+        # one after another
+        self.batch_fn: Any = None
         self.watch = None           # the step's GradientWatch (fp16), or None
         # the executable's random streams (streams.Streams): each micro-batch,
         # update and inference micro-batch runs under its own key
@@ -92,7 +95,7 @@ class Engine(StepVisitor):
         self._program, self._state, self._inputs, self._collector = (
             program, state, inputs, collector)
         self._counters = {}
-        self._update = None
+        self._update: Optional[Update] = None
         self._batch = None
         self._scale = getattr(state, "loss_scale", None)   # automatic loss scaling
         try:
@@ -167,10 +170,16 @@ class Engine(StepVisitor):
         state.buffers[r] = outs[n_out:]
         self._collector.add(i, 0, r, self._keep_writes(outs[:n_out]))
 
+    @property
+    def _u(self) -> Update:
+        """The weight update the accumulation loop is gathering gradients for."""
+        assert self._update is not None, "a training step runs inside a weight update"
+        return self._update
+
     def _micro_batch(self, r):
         """One replica's training step on its micro-batch; the gradients are
         added into the update's accumulators."""
-        state, u = self._state, self._update
+        state, u = self._state, self._u
         i = self._counters.get("device_iteration", 0)
         g = self._counters.get("accumulation", 0)
         n_train, n_buf = state.n_trainable, len(state.buffers[0])
@@ -216,7 +225,7 @@ class Engine(StepVisitor):
         unless the batched call leaves weight gradients to after it
         (``batching._defer_weight_grads``): the counted micro-batch then
         runs on its own first."""
-        state, u = self._state, self._update
+        state, u = self._state, self._u
         if self.watch is not None and self.watch.counting and batch and \
                 getattr(self.batch_fn, "deferred", 0):
             # the batched call makes some weight gradients after it, out of the
@@ -265,7 +274,7 @@ class Engine(StepVisitor):
         gradient may come already summed, as one row), others row by row
         in the serial order (an fp16 gradient is rounded per micro-batch,
         and accumulates in its accumulator's type)."""
-        u = self._update
+        u = self._u
         if self.accumulation is None and all(o.dtype == torch.float32 for o in rows):
             grads = [o.sum(0) for o in rows]
             u.acc = grads if u.acc is None else [a + b for a, b in zip(u.acc, grads)]
@@ -309,8 +318,9 @@ class Engine(StepVisitor):
                 for i, t in zip(todo, summed):
                     u.acc[i] = t
             u.reduced.update(todo)
-            if self._apart and len(u.reduced) == len(u.acc):
-                u.acc = self.accumulation.finish(u.acc, self._state)
+            acc = self.accumulation
+            if self._apart and acc is not None and len(u.reduced) == len(u.acc):
+                u.acc = acc.finish(u.acc, self._state)
         if u.stats is not None and not u.stats_reduced:
             u.stats = self.reduce([u.stats.double()])[0].round()
             u.stats_reduced = True
@@ -342,9 +352,10 @@ class Engine(StepVisitor):
 
     # -- the optimizer update ----------------------------------------------------------
     def _run_update_call(self):
-        state, u = self._state, self._update
+        state, u = self._state, self._u
         if self.streams is not None:
             self.streams.set("update", self._counters.get("device_iteration", 0))
+        assert u.acc is not None, "the update follows its micro-batches' gradients"
         self._reduce(range(len(u.acc)))       # nothing left when the program reduced them
         if u.stats is not None:
             state.loss_scale.add(u.stats)

@@ -64,6 +64,7 @@ def grouped_update(run_update, state, acc, groups):
                 slot[k].copy_(value)
         if first is None:
             first = (new_params, new_state, new_steps, factor)
+    assert first is not None, "every weight has a row in some group"
     new_params, new_state, new_steps, factor = first
     return ([params[i] if i in grouped else p for i, p in enumerate(new_params)],
             [state.opt_state[i] if i in grouped else s for i, s in enumerate(new_state)],

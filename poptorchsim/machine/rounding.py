@@ -1,6 +1,7 @@
 """Stochastic rounding of fp32 results to fp16, and the fp32 computation of
 an op whose fp16 results round stochastically (``docs/precision.md``)."""
 import random
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -104,7 +105,7 @@ def _compiled():
     return sr_kernel.available()
 
 
-sr_kernel = None        # the module, once imported (``_compiled``)
+sr_kernel: Any = None   # the module, once imported (``_compiled``)
 
 
 def _on_gpu(device):
@@ -117,7 +118,7 @@ def _on_gpu(device):
     return sr_triton.available(device)
 
 
-sr_triton = None        # the module, once imported (``_on_gpu``)
+sr_triton: Any = None   # the module, once imported (``_on_gpu``)
 
 
 def _dense(x, bits):

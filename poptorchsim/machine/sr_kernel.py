@@ -27,6 +27,7 @@ Per value, with ``r`` its 13 random bits and ``m`` the magnitude's bits:
   gives infinity; else fp16's exponent and the top 10 mantissa bits.
 """
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,7 +50,7 @@ def available():
     return njit is not None and os.environ.get("POPTORCHSIM_NUMBA", "1") != "0"
 
 
-_threaded = {"pid": None, "failed": False}     # the process using numba's threads
+_threaded: dict[str, Any] = {"pid": None, "failed": False}   # the process using numba's threads
 
 
 def _use_threads(n):

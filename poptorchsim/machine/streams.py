@@ -263,7 +263,7 @@ class Streams:
         return {"seed": self.seed, "mode": self.mode, "calls": self.calls}
 
     def __setstate__(self, state):
-        self.__init__(0, 0, state["mode"])
+        Streams.__init__(self, 0, 0, state["mode"])
         self.seed, self.calls = state["seed"], state["calls"]
         self.key = derive_key(self.seed)
 

@@ -46,6 +46,8 @@ from ..estimate.schedule import Schedule
 from ..estimate.targets import Target, with_io_tiles
 from ..ir.graph import Program
 from ..machine.codegen import compile_graph
+from ..machine.gradient_watch import GradientWatch
+from ..machine.rounding import Rounding
 from . import locations as tensor_locations
 from . import recompute
 from .compiled import Compiled
@@ -108,8 +110,8 @@ class Compilation:
     update: Optional[UpdateGraph] = None        # the update the estimate charges
     numeric: Optional[UpdateGraph] = None       # the update the engine runs
     numeric_shards: dict = field(default_factory=dict)
-    rounding: Any = None                  # machine.rounding.Rounding
-    watch: Any = None                     # machine.gradient_watch.GradientWatch
+    rounding: Optional[Rounding] = None           # stochastic rounding
+    watch: Optional[GradientWatch] = None         # the fp16 gradient watch
     costs: dict = field(default_factory=dict)   # graph name -> [OpCost] per op
     memory: Optional[MemoryReport] = None
     cycles: dict = field(default_factory=dict)   # the breakdown of one call
