@@ -98,3 +98,20 @@ def test_an_impossible_alignment_is_infinite_or_zero_as_in_eager():
     torch.manual_seed(0)
     model = Recogniser(targets, in_len, tgt_len, zero_infinity=True, reduction="sum")
     assert_trains_like_pytorch(model, lambda p: torch.optim.SGD(p, lr=0.05), [(frames,)])
+
+
+def test_float16_log_probs_and_an_unknown_reduction_are_refused_as_eager_refuses_them():
+    """Eager PyTorch's CTC loss takes float32 or float64 only, and names a
+    reduction it does not know; the traced form says the same."""
+    g = torch.Generator().manual_seed(5)
+    targets = _targets(g)
+    in_len, tgt_len = torch.full((N,), T), torch.tensor([5, 3, 4, 1])
+    half = torch.randn(T, N, C, generator=g).log_softmax(-1).half()
+    with pytest.raises(poptorch.Error, match="CTC loss of torch.float16 log_probs: .*"
+                                             r"log_probs.float\(\)"):
+        aten_ctc_loss(half, targets, in_len, tgt_len)
+    model = Recogniser(targets, in_len, tgt_len, reduction="avg")
+    with pytest.raises(ValueError, match="avg is not a valid value for reduction"):
+        model(torch.randn(T, N, 8, generator=g))          # eager
+    with pytest.raises(ValueError, match="avg is not a valid value for reduction"):
+        poptorch.inferenceModel(model, quiet_options())(torch.randn(T, N, 8, generator=g))

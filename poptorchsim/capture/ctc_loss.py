@@ -21,15 +21,15 @@ gradients stay finite and masked branches pass zero; losses beyond
 ``IMPOSSIBLE`` are reported as infinite (or zero), as ATen reports them.
 """
 import torch
+from torch.nn import _reduction as _Reduction
 from torch.overrides import handle_torch_function, has_torch_function_variadic
+
+from ..errors import Error
 
 #: stands in for log(0) in the recursion (finite, so that gradients stay finite)
 LOG_ZERO = -1e30
 #: a loss beyond this is an impossible alignment
 IMPOSSIBLE = 1e29
-
-_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
-
 
 def _log_sum_exp(*terms):
     top = terms[0]
@@ -53,6 +53,10 @@ def aten_ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, re
                   zero_infinity=False):
     """``torch.ctc_loss`` (``reduction`` as ATen's number: 0 none, 1 mean,
     2 sum; lengths as tensors or lists)."""
+    if log_probs.dtype not in (torch.float32, torch.float64):
+        raise Error(f"CTC loss of {log_probs.dtype} log_probs: PyTorch's CTC loss takes "
+                    "float32 or float64 (eager PyTorch refuses float16 too). Compute it on "
+                    "log_probs.float().")
     unbatched = log_probs.dim() == 2
     if unbatched:
         log_probs = log_probs.unsqueeze(1)
@@ -116,4 +120,4 @@ def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reducti
         return handle_torch_function(ctc_loss, tensors, *tensors, blank=blank,
                                      reduction=reduction, zero_infinity=zero_infinity)
     return aten_ctc_loss(log_probs, targets, input_lengths, target_lengths, blank,
-                         _REDUCTIONS[reduction], zero_infinity)
+                         _Reduction.get_enum(reduction), zero_infinity)

@@ -146,7 +146,6 @@ class PoplarExecutor:
                     o, self._training, self._user_model, source, fn, fn_args, {})
         finally:
             self._user_model.training = now
-        self._config = config
         # PopTorch's backend reads the options (an unknown one is an error), logged
         parse_options(self._options._backend_dict(self._output_mode))
         popart_log.log_lowering(compiled, config.placement, logger, config.locations,
