@@ -268,12 +268,14 @@ def _evaluate(c, tiles, limit, serial, sync, coeff, memcpy):
 
 
 @functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096)
 def plan(c, tiles, limit_bytes, sync, coeff=8, memcpy=8):
     """The fastest plan of ``c`` on ``tiles`` tiles (each compute set paying
     ``sync`` cycles, AMP weights loaded at ``coeff`` bytes per cycle,
     operands rearranged at ``memcpy`` bytes per cycle) whose temporary bytes
     per tile fit ``limit_bytes`` (output channels split serially until one
-    fits; the least-memory plan if none does)."""
+    fits; the least-memory plan if none does).  Kept per arguments (all
+    frozen values): a model's repeated layers plan once."""
     fallback = None
     for serial in (1, 2, 4, 8, 16, 32):
         if serial > 1 and cdiv(c.cout, serial) < 4:

@@ -147,8 +147,12 @@ def op_cost(op, target, amp=0.6):
     if cls == "view" or not outs:
         return OpCost()
     tiles = target.tiles
-    out_bytes = sum(t.mapping.bytes_per_tile(tiles) for t in outs)
-    out_max = float(out_bytes.max())
+    if len(outs) == 1:
+        out_bytes = outs[0].mapping.bytes_per_tile(tiles)
+        out_max = float(outs[0].mapping.max_bytes())
+    else:
+        out_bytes = sum(t.mapping.bytes_per_tile(tiles) for t in outs)
+        out_max = float(out_bytes.max())
     item = max(_itemsize(outs[0]), 1)
     sync = target.sync_cycles
     cost = OpCost(sync=sync)

@@ -8,6 +8,7 @@ small tensors do not all pile onto tile 0.  A host scalar's result that no
 device op reads (``passes/host_scalars.py``) is not on the tiles: it maps
 no bytes.
 """
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,25 @@ import numpy as np
 from ..ir.graph import subgraph_inputs
 from ..ir.interfaces import TileMap
 from .host_scalars import device_reads
+
+
+@functools.lru_cache(maxsize=4096)
+def _spread(n_tiles, nbytes, grain):
+    """``nbytes`` in grains of ``grain`` bytes over ``n_tiles`` tiles, the
+    first tiles taking one grain more, the last grain partly filled
+    (read-only)."""
+    n_grains = -(-nbytes // grain)
+    base, extra = divmod(n_grains, n_tiles)
+    used = (base + (np.arange(n_tiles) < extra)).astype(np.int64) * grain
+    used[(extra - 1) if extra else n_tiles - 1] -= n_grains * grain - nbytes
+    used.setflags(write=False)
+    return used
+
+
+@functools.lru_cache(maxsize=4096)
+def _most(n_tiles, nbytes, grain):
+    """The bytes on the fullest tile of ``_spread``."""
+    return int(_spread(n_tiles, nbytes, grain).max()) if nbytes else 0
 
 
 @dataclass(frozen=True)
@@ -27,18 +47,10 @@ class TileMapping:
 
     def _used(self):
         """Bytes on each of the ``n_tiles`` tiles in use, in order (read-only;
-        computed once: the memory passes read it for every op)."""
-        used = self.__dict__.get("_used_bytes")
-        if used is None:
-            n_grains = -(-self.nbytes // self.grain)
-            base, extra = divmod(n_grains, self.n_tiles)
-            pos = np.arange(self.n_tiles)
-            used = (base + (pos < extra)).astype(np.int64) * self.grain
-            last = (extra - 1) if extra else self.n_tiles - 1
-            used[last] -= n_grains * self.grain - self.nbytes
-            used.setflags(write=False)
-            self.__dict__["_used_bytes"] = used
-        return used
+        the same array for every mapping of the same size and grain: the
+        memory passes read it for every op, and a model's repeated layers
+        have many such)."""
+        return _spread(self.n_tiles, self.nbytes, self.grain)
 
     def bytes_per_tile(self, tiles):
         """Bytes on each tile, an array of length ``tiles`` (read-only); sums to
@@ -47,14 +59,22 @@ class TileMapping:
         out = kept.get(tiles)
         if out is None:
             out = np.zeros(tiles, dtype=np.int64)
-            if self.nbytes:
-                out[(self.start + np.arange(self.n_tiles)) % tiles] = self._used()
+            start, used = self.start % tiles, self._used()
+            if not self.nbytes:
+                pass
+            elif start + self.n_tiles <= tiles:
+                out[start:start + self.n_tiles] = used
+            elif self.n_tiles <= tiles:         # wrapping round the last tile
+                out[start:] = used[:tiles - start]
+                out[:start + self.n_tiles - tiles] = used[tiles - start:]
+            else:
+                out[(start + np.arange(self.n_tiles)) % tiles] = used
             out.setflags(write=False)
             kept[tiles] = out
         return out
 
     def max_bytes(self):
-        return int(self._used().max()) if self.nbytes else 0
+        return _most(self.n_tiles, self.nbytes, self.grain)
 
 
 # the type checker holds TileMapping to what the IR declares of it
