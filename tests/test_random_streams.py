@@ -32,7 +32,8 @@ def test_the_tensor_hash_is_the_integer_hash():
 def test_the_compiled_window_starts_are_the_integer_ones():
     """``sr_kernel.window_starts`` (numba: a batched call's rows at once)
     gives ``Streams.window_start`` of each row, from keys as ``tolist``
-    gives them (signed int32 words), for streams up to 2**32 and past."""
+    gives them (signed int32 words) and as the key tensor's array (the
+    batched rounding's path), for streams up to 2**32 and past."""
     sr_kernel = pytest.importorskip("poptorchsim.machine.sr_kernel")
     if not sr_kernel.available():
         pytest.skip("numba is not installed")
@@ -43,7 +44,8 @@ def test_the_compiled_window_starts_are_the_integer_ones():
     for stream in (0, 1, 8 * 12345 + 3, 2 ** 32 - 1, 2 ** 35 + 17):
         want = [S.Streams.window_start((k0 & S.MASK32, k1 & S.MASK32), stream)
                 for k0, k1 in rows]
-        assert sr_kernel.window_starts(rows, stream) == want
+        assert sr_kernel.window_starts(rows, stream).tolist() == want
+        assert sr_kernel.window_starts(keys.to(torch.int32).numpy(), stream).tolist() == want
 
 def test_uniform_numbers_are_uniform_and_keyed():
     u = S.uniform(_key(0), 3, (400_000,))

@@ -5,6 +5,7 @@ import torch
 from torch._C import _functorch as _ft
 
 from ..ir.interfaces import GradientWatchState
+from . import watch_kernel
 from .half_partials import half_partials_kernel, uses_half_partials
 from .precision import ROUNDS_LIKE_FP32, SLOW_IN_HALF, rounds_stochastically
 from .rounding import HALF, result_stream, widen_all
@@ -163,11 +164,16 @@ class GradientWatch:
         n = wide.numel()
         if n == 0:
             return
-        lo, hi = torch.aminmax(out.detach())
-        nz_wide, nz_out, lo, hi = torch.stack([torch.count_nonzero(wide).double(),
-                                               torch.count_nonzero(out).double(),
-                                               lo.double(), hi.double()]).tolist()
-        if not (math.isfinite(lo) and math.isfinite(hi)):   # infinities, NaNs, overflow
+        fast = watch_kernel.counts(out, wide)      # one compiled pass, where it applies
+        if fast is not None:
+            nz_wide, nz_out, nonfinite = fast[0], fast[1], fast[2]
+        else:
+            lo, hi = torch.aminmax(out.detach())
+            nz_wide, nz_out, lo, hi = torch.stack([torch.count_nonzero(wide).double(),
+                                                   torch.count_nonzero(out).double(),
+                                                   lo.double(), hi.double()]).tolist()
+            nonfinite = not (math.isfinite(lo) and math.isfinite(hi))
+        if nonfinite:                                       # infinities, NaNs, overflow
             if stochastic:
                 self._count_values(name, out, wide)
                 return
@@ -179,7 +185,9 @@ class GradientWatch:
             return
         zeros, under = n - int(nz_wide), int(nz_wide - nz_out)
         size = lost = 0.0           # an op's magnitude matters only beside what it lost
-        if under:
+        if under and fast is not None:
+            size, lost = fast[3], fast[4]
+        elif under:
             a = wide.detach().float().abs()
             size, lost = torch.stack([a.sum(), torch.where(out == 0, a, 0.0).sum()]).tolist()
         self._add(name, n, zeros, under, 0, 0, size, lost)

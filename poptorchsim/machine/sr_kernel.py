@@ -27,6 +27,7 @@ Per value, with ``r`` its 13 random bits and ``m`` the magnitude's bits:
   gives infinity; else fp16's exponent and the top 10 mantissa bits.
 """
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -69,8 +70,13 @@ def _use_threads(n):
         _threaded["pid"] = os.getpid()
     if _threaded["pid"] != os.getpid():
         return False
-    if numba.get_num_threads() != want:
-        numba.set_num_threads(want)
+    # numba's thread count is per Python thread; read back (it costs more than
+    # a rounding of a small result) only when this thread has not set it to this
+    mine = (threading.get_ident(), want)
+    if _threaded.get("set") != mine:
+        if numba.get_num_threads() != want:
+            numba.set_num_threads(want)
+        _threaded["set"] = mine
     return True
 
 
@@ -191,13 +197,13 @@ else:
 
 def window_starts(keys, stream):
     """Where result ``stream``'s windows start under ``keys`` (rows of two
-    int32 words, as ``Tensor.tolist`` gives them), as a list of integers:
-    ``Streams.window_start`` of each row, in one compiled loop (the same
-    integers; ``tests/test_random_streams.py`` checks it)."""
-    words = np.asarray(keys, dtype=np.int64).reshape(-1, 2) & 0xFFFFFFFF
+    int32 words: as ``Tensor.tolist`` gives them, or an array), as an int64
+    array: ``Streams.window_start`` of each row, in one compiled loop (the
+    same integers; ``tests/test_random_streams.py`` checks it)."""
+    words = np.asarray(keys).astype(np.int64).reshape(-1, 2) & 0xFFFFFFFF
     out = np.empty(words.shape[0], dtype=np.int64)
     _starts_compiled(words, int(stream), out)
-    return out.tolist()
+    return out
 
 
 def round_rows(x, pool, starts, n, wide=False):
@@ -205,19 +211,24 @@ def round_rows(x, pool, starts, n, wide=False):
     ``i`` (rows of ``n`` values in memory order) reads bit ``k`` of the
     window at ``starts[i]`` of ``pool`` (int16, ``POOL`` values).  ``wide``:
     the fp16 values returned in fp32 (``_segment_wide``)."""
-    flat = x.float().contiguous().view(-1)
-    out = torch.empty(flat.numel(), dtype=torch.int32 if wide else torch.int16)
+    if x.dtype != torch.float32:
+        x = x.float()
+    # (flat views taken on the numpy side: a tensor view costs more than a small
+    # result's rounding)
+    values = x.contiguous().numpy().reshape(-1)
+    out = torch.empty(x.shape, dtype=torch.int32 if wide else torch.int16)
     result = torch.float32 if wide else torch.float16
-    values = flat.numpy()
-    args = (values.view(np.int32), values, pool.numpy(), np.asarray(starts, dtype=np.int64),
-            int(n), out.numpy())
+    if not isinstance(starts, np.ndarray) or starts.dtype != np.int64:
+        starts = np.asarray(starts, dtype=np.int64)
+    args = (values.view(np.int32), values, pool.numpy(), starts, int(n),
+            out.numpy().reshape(-1))
     # on two threads from 2 chunks (1.7-2x faster on a 2-core machine); smaller
     # results on one (the threads' start cost more than they saved)
-    if _use_threads(flat.numel()):
+    if _use_threads(values.size):
         try:
             _kernel_parallel(*args)
-            return out.view(result).view(x.shape)
+            return out.view(result)
         except ValueError:          # no thread-safe threading layer here: one thread
             _threaded["failed"] = True
     _kernel(*args)
-    return out.view(result).view(x.shape)
+    return out.view(result)

@@ -1,0 +1,62 @@
+"""The gradient watch's compiled counts (``machine/watch_kernel.py``) give
+the PyTorch form's counts exactly, and its magnitudes to fp32 summation
+order, on results that stress them: zeros of both signs, values that
+underflow in fp16, subnormals, values past fp16's largest, infinities and
+NaNs, fp16 results and their values held in fp32 (wide values)."""
+import pytest
+import torch
+
+from poptorchsim.machine import gradient_watch, watch_kernel
+from poptorchsim.machine.gradient_watch import GradientWatch
+
+
+def _wide(n, seed, special):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-40, 12, (n,), generator=g)
+                                                  .float())
+    x[::7] = 0.0
+    x[3::11] = -0.0
+    if special == "overflow":
+        x[5::97] = 70000.0          # finite in fp32, infinite in fp16
+    if special == "inf":
+        x[9::101] = -float("inf")
+    if special == "nan":
+        x[13::103] = float("nan")
+    return x
+
+
+def _counted(monkeypatch, compiled, out, wide, stochastic=False):
+    if not compiled:
+        monkeypatch.setattr(gradient_watch.watch_kernel, "counts", lambda o, w: None)
+    w = GradientWatch()
+    w._count_rounded("op", out, wide, stochastic)
+    monkeypatch.undo()
+    return w
+
+
+@pytest.mark.parametrize("n", [1, 63, 4096, 131_073])
+@pytest.mark.parametrize("special", [None, "overflow", "inf", "nan"])
+@pytest.mark.parametrize("held", ["fp16", "fp32"])
+def test_compiled_counts_equal_the_pytorch_forms(monkeypatch, n, special, held):
+    if watch_kernel.njit is None or not watch_kernel.sr_kernel.available():
+        pytest.skip("numba is not installed")
+    wide = _wide(n, n, special)
+    out = wide.half()
+    if held == "fp32":
+        out = out.float()
+    assert watch_kernel.counts(out, wide) is not None        # the compiled form applies
+    a = _counted(monkeypatch, False, out, wide)
+    b = _counted(monkeypatch, True, out, wide)
+    assert (a.values, a.nonzero, a.underflowed, a.overflowed, a.nonfinite) == \
+        (b.values, b.nonzero, b.underflowed, b.overflowed, b.nonfinite)
+    ra, rb = a.per_op["op"], b.per_op["op"]
+    assert ra[:3] == rb[:3]
+    assert rb[3] == pytest.approx(ra[3], rel=1e-5) and rb[4] == pytest.approx(ra[4], rel=1e-5)
+    if not special and n > 1:
+        assert a.underflowed > 0            # the case exercises the magnitudes
+
+
+def test_the_pytorch_form_runs_where_the_compiled_one_does_not_apply():
+    wide = _wide(64, 0, None)
+    assert watch_kernel.counts(wide.half(), wide.double()) is None      # an fp64 reference
+    assert watch_kernel.counts(wide.half()[:32], wide) is None          # shapes differ
