@@ -68,10 +68,21 @@ class Accumulation:
         self.running = running
         self.into = set(into)           # parameters accumulating into their velocity
 
+    def cast(self, grads):
+        """``grads`` (or the stacked gradients of several micro-batches) in their
+        accumulators' types, where ``add`` would cast them so (the same values,
+        cast once)."""
+        if self.into or self.running:
+            return grads
+        return [g if d is None or g.dtype == d else g.to(d) for g, d in zip(grads, self.dtypes)]
+
     def add(self, acc, grads, k, state, apart=False):
         """The accumulators after micro-batch ``k`` (from 0).  ``apart``: the
         combined variant's increments are summed apart from the velocity (they
         are reduced across processes first, see ``finish``)."""
+        if acc is not None and not self.into and not self.running:
+            # the sums in one call (PyTorch's foreach ops: each the same add)
+            return list(torch._foreach_add(acc, self.cast(grads)))
         out = []
         for i, g in enumerate(grads):
             a = None if acc is None else acc[i]

@@ -280,8 +280,11 @@ class Engine(StepVisitor):
             u.acc = grads if u.acc is None else [a + b for a, b in zip(u.acc, grads)]
             u.k += n
             return
+        if self.accumulation is not None:
+            rows = self.accumulation.cast(rows)     # each cast once, not once per row
+        per_row = list(zip(*(o.unbind(0) for o in rows)))     # each row's gradients
         for k in range(n):
-            grads = [o[k] for o in rows]
+            grads = list(per_row[k])
             if self.accumulation is None:
                 u.acc = grads if u.acc is None else [a + b for a, b in zip(u.acc, grads)]
             else:

@@ -197,16 +197,20 @@ class _RoundRows(torch.autograd.Function):
     def vmap(info, in_dims, x, key, stream, pool, wide=False):
         x_dim, key_dim = in_dims[0], in_dims[1]
         rows = info.batch_size
-        x = x.movedim(x_dim, 0) if x_dim is not None else x.expand((rows,) + x.shape)
+        x = x if x_dim == 0 else x.movedim(x_dim, 0) if x_dim is not None \
+            else x.expand((rows,) + x.shape)
         if _compiled() and x.device.type == "cpu":
             # the CPU's compiled path with nothing between: the rows' starts from
             # the keys' words in one compiled loop, the rows rounded in another
             # (what ``stochastic_round`` does with these ``Windows``, without the
             # ~100 us of Python a rounding otherwise costs: GPT-2's fp16 step
-            # rounds about 600 results a call, most of them small)
-            words = (key.movedim(key_dim, 0) if key_dim is not None
-                     else key.expand((rows,) + key.shape)).numpy()
-            starts = sr_kernel.window_starts(words, stream)
+            # rounds about 600 results a call, most of them small); the words
+            # are read once per call (its keys are one tensor, never written)
+            if _WORDS[0] is not key or _WORDS[1] != (key_dim, rows):
+                words = key if key_dim == 0 else key.movedim(key_dim, 0) \
+                    if key_dim is not None else key.expand((rows,) + key.shape)
+                _WORDS[:] = [key, (key_dim, rows), sr_kernel.key_words(words.numpy())]
+            starts = sr_kernel.starts_of_words(_WORDS[2], stream)
             return sr_kernel.round_rows(x, pool, starts, x.numel() // rows, wide), 0
         keys = (key.movedim(key_dim, 0).tolist() if key_dim is not None
                 else [key.tolist()] * rows)
@@ -217,6 +221,9 @@ class _RoundRows(torch.autograd.Function):
                       for k0, k1 in keys]
         n = x[0].numel()
         return stochastic_round(x, Windows(pool, starts, n), wide), 0
+
+
+_WORDS: list = [None, None, None]     # (the keys of a batched call, their layout, words)
 
 
 def result_stream(stream, j):
@@ -291,13 +298,20 @@ def with_stochastic_rounding(kernel, out_dtypes, rounding, into=False, stream=0,
         result = kernel(*args, **kwargs)
         return args[0].copy_(result) if into else result
 
+    half_out = HALF in out_dtypes
+
     def run(*args, **kwargs):
-        key = tuple(_dtypes_of(kwargs, _dtypes_of(args, [])))
-        if HALF not in key and HALF not in out_dtypes:
-            return exact(args, kwargs)
-        want = out_dtypes if traced else dtypes(key, args, kwargs)
-        if HALF not in want:
-            return exact(args, kwargs)
+        if traced:                  # the traced dtypes decide: no operand is read
+            if not half_out:
+                return exact(args, kwargs)
+            want = out_dtypes
+        else:
+            key = tuple(_dtypes_of(kwargs, _dtypes_of(args, [])))
+            if HALF not in key and not half_out:
+                return exact(args, kwargs)
+            want = dtypes(key, args, kwargs)
+            if HALF not in want:
+                return exact(args, kwargs)
         full = kernel(*widen_all(args), **{k: widen_all(v) for k, v in kwargs.items()})
         if isinstance(full, torch.Tensor):
             result = rounding.round(full, result_stream(stream, 0), wide) if want[0] == HALF \

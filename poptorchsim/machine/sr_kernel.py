@@ -195,15 +195,25 @@ else:
     _kernel = _kernel_parallel = None
 
 
+def key_words(keys):
+    """Keys (rows of two int32 words: as ``Tensor.tolist`` gives them, or an
+    array) as the rows of words in [0, 2**32) that ``starts_of_words`` takes."""
+    return np.asarray(keys).astype(np.int64).reshape(-1, 2) & 0xFFFFFFFF
+
+
+def starts_of_words(words, stream):
+    """``window_starts`` of keys already read by ``key_words``."""
+    out = np.empty(words.shape[0], dtype=np.int64)
+    _starts_compiled(words, int(stream), out)
+    return out
+
+
 def window_starts(keys, stream):
     """Where result ``stream``'s windows start under ``keys`` (rows of two
     int32 words: as ``Tensor.tolist`` gives them, or an array), as an int64
     array: ``Streams.window_start`` of each row, in one compiled loop (the
     same integers; ``tests/test_random_streams.py`` checks it)."""
-    words = np.asarray(keys).astype(np.int64).reshape(-1, 2) & 0xFFFFFFFF
-    out = np.empty(words.shape[0], dtype=np.int64)
-    _starts_compiled(words, int(stream), out)
-    return out
+    return starts_of_words(key_words(keys), stream)
 
 
 def round_rows(x, pool, starts, n, wide=False):
