@@ -295,6 +295,9 @@ class Streams:
     # -- stochastic rounding's bits -------------------------------------------------------
     def pool(self, device):
         """Stochastic rounding's pool on ``device`` (drawn once, copied to each device)."""
+        kept = self._pools.get(device)
+        if kept is not None:        # (a rounding asks for it: no device parsed then)
+            return kept
         cpu = torch.device("cpu")
         device = torch.device(device) if device is not None else cpu
         if cpu not in self._pools:
