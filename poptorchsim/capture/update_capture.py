@@ -454,7 +454,9 @@ def _cast_scalars_once(gm):
                 node_.meta["val"] = torch.empty((), dtype=dtype, device="meta")
                 casts[arg, dtype] = node_
             return casts[arg, dtype]
-        node.args = tuple(cast(a) for a in node.args)
+        args = tuple(cast(a) for a in node.args)
+        if any(a is not b for a, b in zip(args, node.args)):
+            node.args = args        # (setting them re-registers every use: only on a change)
     if casts and isinstance(gm, torch.fx.GraphModule):
         gm.recompile()
     return gm

@@ -60,7 +60,8 @@ def _unsupported(node, target):
     """Why ``target`` cannot go on the IPU, or None."""
     why = unsupported_reason(target)
     if why is None:
-        vals = pytree.tree_leaves(node.meta.get("val"))
+        val = node.meta.get("val")
+        vals = (val,) if isinstance(val, torch.Tensor) else pytree.tree_leaves(val)
         if any(isinstance(v, torch.Tensor) and v.is_complex() for v in vals):
             why = "complex tensors: the IPU has no complex number types"
         elif any(isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape)
