@@ -216,6 +216,9 @@ def window_starts(keys, stream):
     return starts_of_words(key_words(keys), stream)
 
 
+_POOL: list = [None, None]      # (the pool last rounded from, its array)
+
+
 def round_rows(x, pool, starts, n, wide=False):
     """``x`` (fp32, CPU) rounded stochastically to fp16: value ``k`` of row
     ``i`` (rows of ``n`` values in memory order) reads bit ``k`` of the
@@ -230,8 +233,9 @@ def round_rows(x, pool, starts, n, wide=False):
     result = torch.float32 if wide else torch.float16
     if not isinstance(starts, np.ndarray) or starts.dtype != np.int64:
         starts = np.asarray(starts, dtype=np.int64)
-    args = (values.view(np.int32), values, pool.numpy(), starts, int(n),
-            out.numpy().reshape(-1))
+    if _POOL[0] is not pool:            # the pool's array, read once per pool
+        _POOL[:] = [pool, pool.numpy()]
+    args = (values.view(np.int32), values, _POOL[1], starts, int(n), out.numpy().reshape(-1))
     # on two threads from 2 chunks (1.7-2x faster on a 2-core machine); smaller
     # results on one (the threads' start cost more than they saved)
     if _use_threads(values.size):
