@@ -206,11 +206,12 @@ class _RoundRows(torch.autograd.Function):
             # ~100 us of Python a rounding otherwise costs: GPT-2's fp16 step
             # rounds about 600 results a call, most of them small); the words
             # are read once per call (its keys are one tensor, never written)
-            if _WORDS[0] is not key or _WORDS[1] != (key_dim, rows):
+            kept = _WORDS[0]        # (one tuple, replaced whole: safe across threads)
+            if kept is None or kept[0] is not key or kept[1] != (key_dim, rows):
                 words = key if key_dim == 0 else key.movedim(key_dim, 0) \
                     if key_dim is not None else key.expand((rows,) + key.shape)
-                _WORDS[:] = [key, (key_dim, rows), sr_kernel.key_words(words.numpy())]
-            starts = sr_kernel.starts_of_words(_WORDS[2], stream)
+                kept = _WORDS[0] = (key, (key_dim, rows), sr_kernel.key_words(words.numpy()))
+            starts = sr_kernel.starts_of_words(kept[2], stream)
             return sr_kernel.round_rows(x, pool, starts, x.numel() // rows, wide), 0
         keys = (key.movedim(key_dim, 0).tolist() if key_dim is not None
                 else [key.tolist()] * rows)
@@ -223,7 +224,7 @@ class _RoundRows(torch.autograd.Function):
         return stochastic_round(x, Windows(pool, starts, n), wide), 0
 
 
-_WORDS: list = [None, None, None]     # (the keys of a batched call, their layout, words)
+_WORDS: list = [None]     # [(the keys of a batched call, their layout, their words)]
 
 
 def result_stream(stream, j):
