@@ -334,3 +334,41 @@ def test_the_collector_is_paused_while_compiling_and_restored():
         assert not gc.isenabled() and seen[-1] is False
     finally:
         gc.enable()
+
+
+# -- the op costs' kept plans and tile spreads ---------------------------------------------
+@pytest.mark.parametrize("seed", range(16))
+def test_a_tile_spread_sliced_equals_the_modular_index(seed):
+    """``TileMapping.bytes_per_tile`` writes its tiles as one slice (two when
+    it wraps round the last tile) and reads the spread kept per size and
+    grain: the array the modular index over its tiles gave, and its fullest
+    tile."""
+    rng = np.random.default_rng(seed)
+    tiles = int(rng.integers(1, 48))
+    n = int(rng.integers(1, tiles + 1))
+    start, nbytes = int(rng.integers(0, 3 * tiles)), int(rng.integers(0, 5000))
+    grain = int(rng.choice([1, 2, 8, 64]))
+    plain = np.zeros(tiles, dtype=np.int64)
+    if nbytes:
+        n_grains = -(-nbytes // grain)
+        base, extra = divmod(n_grains, n)
+        used = (base + (np.arange(n) < extra)).astype(np.int64) * grain
+        used[(extra - 1) if extra else n - 1] -= n_grains * grain - nbytes
+        plain[(start + np.arange(n)) % tiles] = used
+    m = TileMapping(start, n, nbytes, grain)
+    assert np.array_equal(m.bytes_per_tile(tiles), plain)
+    assert m.bytes_per_tile(tiles).sum() == nbytes
+    assert m.max_bytes() == (int(plain.max()) if nbytes else 0)
+
+
+def test_a_kept_matmul_plan_is_the_plan_made_afresh():
+    """The planner keeps its plans per arguments (a model's repeated layers
+    plan once): a kept plan equals the one made afresh."""
+    from poptorchsim.estimate import conv_plan
+    from poptorchsim.estimate.conv_params import Conv
+    for c in (Conv(1, 768, 3072, 128, 1, pass_name="matmul"),
+              Conv(1, 64, 128, 56, 56, kh=3, kw=3, in_rows=58, in_cols=58),
+              Conv(4, 32, 32, 14, 14, pass_name="wu")):
+        args = (c, 1472, 0.6 * 638976, 34, 8, 8)
+        assert conv_plan.plan(*args) == conv_plan.plan.__wrapped__(*args)
+        assert conv_plan.plan(*args) is conv_plan.plan(*args)
