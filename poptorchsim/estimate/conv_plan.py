@@ -268,7 +268,6 @@ def _evaluate(c, tiles, limit, serial, sync, coeff, memcpy):
 
 
 @functools.lru_cache(maxsize=4096)
-@functools.lru_cache(maxsize=4096)
 def plan(c, tiles, limit_bytes, sync, coeff=8, memcpy=8):
     """The fastest plan of ``c`` on ``tiles`` tiles (each compute set paying
     ``sync`` cycles, AMP weights loaded at ``coeff`` bytes per cycle,

@@ -282,7 +282,8 @@ class Engine(StepVisitor):
             return
         if self.accumulation is not None:
             rows = self.accumulation.cast(rows)     # each cast once, not once per row
-        per_row = list(zip(*(o.unbind(0) for o in rows)))     # each row's gradients
+        # each row's gradients (none without trainable parameters)
+        per_row = list(zip(*(o.unbind(0) for o in rows))) if rows else [()] * n
         for k in range(n):
             grads = list(per_row[k])
             if self.accumulation is None:

@@ -4,10 +4,10 @@
 (``out``) from its fp32 value (``wide``): how many values each holds that
 are not zero, whether ``out`` holds an infinity or a NaN, and, where values
 underflowed, the summed magnitude of ``wide`` and of the values ``out``
-lost.  As PyTorch operations that is four to six passes and a read back
-(about 300 us for a GPT-2 MLP gradient on a 2-core machine, 40 us here; a counted call
-of GPT-2's fp16 step counts about 300 results, and the counting cost more
-than an fp32 micro-batch).  Here it is one loop over both, compiled once
+lost.  As PyTorch operations that is four to six passes and a read back:
+about 300 us for a GPT-2 MLP gradient on a 2-core machine, 50 us here.  A
+counted call of GPT-2's fp16 step counts about 300 results; the PyTorch
+form cost it about two fp32 micro-batches.  Here it is one loop over both, compiled once
 (``cache=True``).  The counts are the same integers; the magnitudes are
 fp32 sums as PyTorch's, in another order (they differ in the last bits;
 they only weigh what was lost against the whole:
