@@ -29,9 +29,13 @@ def run_file(tests_dir, name, limit, out_dir):
     xml = os.path.join(out_dir, name + ".xml")
     cmd = [sys.executable, "-m", "poptorchsim.run", "-m", "pytest", "-q", "-p",
            "no:cacheprovider", "-o", "junit_family=xunit1", f"--junitxml={xml}", name]
+    # PopTorch's tests start ``python3 -m pytest`` themselves: this interpreter first
+    # on PATH, so that they run where pytest and poptorchsim are installed
+    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable),
+                                                 os.environ.get("PATH", "")]))
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=tests_dir, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     try:
         proc.wait(timeout=limit)
         finished = True
