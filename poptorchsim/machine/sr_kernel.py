@@ -216,9 +216,6 @@ def window_starts(keys, stream):
     return starts_of_words(key_words(keys), stream)
 
 
-_POOL: list = [None]        # [(the pool last rounded from, its array)]
-
-
 def round_rows(x, pool, starts, n, wide=False):
     """``x`` (fp32, CPU) rounded stochastically to fp16: value ``k`` of row
     ``i`` (rows of ``n`` values in memory order) reads bit ``k`` of the
@@ -233,10 +230,8 @@ def round_rows(x, pool, starts, n, wide=False):
     result = torch.float32 if wide else torch.float16
     if not isinstance(starts, np.ndarray) or starts.dtype != np.int64:
         starts = np.asarray(starts, dtype=np.int64)
-    kept = _POOL[0]                     # the pool's array, read once per pool (one
-    if kept is None or kept[0] is not pool:     # tuple, replaced whole: safe across threads)
-        kept = _POOL[0] = (pool, pool.numpy())
-    args = (values.view(np.int32), values, kept[1], starts, int(n), out.numpy().reshape(-1))
+    args = (values.view(np.int32), values, pool.numpy(), starts, int(n),
+            out.numpy().reshape(-1))
     # on two threads from 2 chunks (1.7-2x faster on a 2-core machine); smaller
     # results on one (the threads' start cost more than they saved)
     if _use_threads(values.size):

@@ -31,35 +31,20 @@ except ImportError:
 _I = np.int32
 
 
-def _counts_half(wide_bits, wide, out_bits, res):
-    """``out_bits``: the fp16 result's bits (int16).  Every intermediate is
-    cast back to int32, as in ``sr_kernel._segment``: numba computes int32
-    arithmetic in int64, and the mixed widths keep the loop from
-    vectorizing (3x slower)."""
+def _counts(wide_bits, wide, out_bits, magnitude, infinity, res):
+    """``out_bits``: the fp16 result's bits (int16; ``magnitude`` 0x7FFF,
+    ``infinity`` 0x7C00) or the bits of its values held in fp32 (int32;
+    0x7FFFFFFF, 0x7F800000).  Every intermediate is cast back to int32, as
+    in ``sr_kernel._segment``: numba computes int32 arithmetic in int64, and
+    the mixed widths keep the loop from vectorizing (3x slower)."""
     nz_wide = nz_out = bad = _I(0)
     size = lost = np.float32(0.0)
     for k in range(wide.size):
-        b = _I(_I(out_bits[k]) & _I(0x7FFF))
+        b = _I(_I(out_bits[k]) & magnitude)
         zero = _I(b == _I(0))
         nz_wide = _I(nz_wide + _I(_I(wide_bits[k] & _I(0x7FFFFFFF)) != _I(0)))
         nz_out = _I(nz_out + _I(1) - zero)
-        bad = _I(bad + _I(b >= _I(0x7C00)))
-        a = abs(wide[k])
-        size += a
-        lost += a * np.float32(zero)
-    res[0], res[1], res[2], res[3], res[4] = nz_wide, nz_out, bad, size, lost
-
-
-def _counts_wide(wide_bits, wide, out_bits, res):
-    """``out_bits``: the bits of the fp16 result's values held in fp32 (int32)."""
-    nz_wide = nz_out = bad = _I(0)
-    size = lost = np.float32(0.0)
-    for k in range(wide.size):
-        o = _I(out_bits[k] & _I(0x7FFFFFFF))
-        zero = _I(o == _I(0))
-        nz_wide = _I(nz_wide + _I(_I(wide_bits[k] & _I(0x7FFFFFFF)) != _I(0)))
-        nz_out = _I(nz_out + _I(1) - zero)
-        bad = _I(bad + _I(o >= _I(0x7F800000)))
+        bad = _I(bad + _I(b >= infinity))
         a = abs(wide[k])
         size += a
         lost += a * np.float32(zero)
@@ -69,8 +54,7 @@ def _counts_wide(wide_bits, wide, out_bits, res):
 if njit is not None:
     # reassociation only: the sums vectorize (as PyTorch's own fp32 sums do), and
     # NaNs and infinities keep their meaning
-    _half = njit(cache=True, nogil=True, boundscheck=False, fastmath={"reassoc"})(_counts_half)
-    _wide = njit(cache=True, nogil=True, boundscheck=False, fastmath={"reassoc"})(_counts_wide)
+    _compiled = njit(cache=True, nogil=True, boundscheck=False, fastmath={"reassoc"})(_counts)
 
 
 def counts(out, wide):
@@ -86,7 +70,7 @@ def counts(out, wide):
     o = out.detach().contiguous().numpy().reshape(-1)
     res = np.zeros(5, dtype=np.float64)
     if out.dtype == torch.float16:
-        _half(w.view(np.int32), w, o.view(np.int16), res)
+        _compiled(w.view(np.int32), w, o.view(np.int16), _I(0x7FFF), _I(0x7C00), res)
     else:
-        _wide(w.view(np.int32), w, o.view(np.int32), res)
+        _compiled(w.view(np.int32), w, o.view(np.int32), _I(0x7FFFFFFF), _I(0x7F800000), res)
     return int(res[0]), int(res[1]), bool(res[2]), float(res[3]), float(res[4])

@@ -59,16 +59,13 @@ class TileMapping:
         out = kept.get(tiles)
         if out is None:
             out = np.zeros(tiles, dtype=np.int64)
-            start, used = self.start % tiles, self._used()
-            if not self.nbytes:
-                pass
-            elif start + self.n_tiles <= tiles:
-                out[start:start + self.n_tiles] = used
-            elif self.n_tiles <= tiles:         # wrapping round the last tile
-                out[start:] = used[:tiles - start]
-                out[:start + self.n_tiles - tiles] = used[tiles - start:]
-            else:
-                out[(start + np.arange(self.n_tiles)) % tiles] = used
+            start, n = self.start % tiles, self.n_tiles
+            if self.nbytes and n <= tiles:      # as slices (np.roll costs 7x more)
+                head = min(n, tiles - start)
+                out[start:start + head] = self._used()[:head]
+                out[:n - head] = self._used()[head:]        # wrapping round the last tile
+            elif self.nbytes:
+                out[(start + np.arange(n)) % tiles] = self._used()
             out.setflags(write=False)
             kept[tiles] = out
         return out
