@@ -1,9 +1,11 @@
 """The optimizer update captured: the update rules (``update_rules.py``)
 traced with ``make_fx`` over every trainable parameter's layout, one trace
-per kind of parameter (dtypes, group, state slots) copied to each
-parameter's shape, merged as they are made.  ``passes/update.py`` lowers
-the result.  (The model's step is captured in ``trace.py``.)"""
-import copy
+per kind of parameter (dtypes, group, state slots), which
+``passes/update_copies.py`` lowers once and copies to each parameter's
+shape (``RuleCopies``); or, where that cannot be (global clipping, a rule
+that holds constants), one trace of the whole update, which
+``passes/update.py`` lowers.  (The model's step is captured in
+``trace.py``.)"""
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -76,9 +78,10 @@ def capture_update(plan, layouts, n_groups, unit_scale=False, traces=None):
     micro-batch on one replica per update, no loss scaling), so gradients
     are used as they are.  Inputs: ``(params, grads, state, steps, hyper,
     globals, grad_scale)``; outputs ``(new params, new state, new steps)``.
-    ``traces``: a dict keeping the rules traced per parameter layout, to
-    share with another capture of the same optimizer (the update over whole
-    weights of a sharded one).
+    Returns ``RuleCopies`` (the rule traced per kind of parameter), or the
+    fx ``GraphModule`` of the whole update.  ``traces``: a dict keeping the
+    rules traced per parameter layout, to share with another capture of the
+    same optimizer (the update over whole weights of a sharded one).
     """
     n_h, n_g = len(plan.hyper), len(plan.globals)
     if plan.max_grad_norm is None and layouts:
@@ -86,16 +89,16 @@ def capture_update(plan, layouts, n_groups, unit_scale=False, traces=None):
         # under many configurations (runtime/planning/planner.py)
         key = ("update", plan, tuple(layouts), n_groups, unit_scale)
         try:
-            stitched = traces.get(key) if traces is not None else None
+            copies = traces.get(key) if traces is not None else None
         except TypeError:             # an unhashable plan: not kept
             key = None
-        if stitched is None:
-            stitched = _update_by_parameter(plan, layouts, n_groups, unit_scale,
-                                            {} if traces is None else traces)
-            if traces is not None and key is not None and stitched is not None:
-                traces[key] = stitched
-        if stitched is not None:
-            return stitched
+        if copies is None:
+            copies = _update_by_parameter(plan, layouts, n_groups, unit_scale,
+                                          {} if traces is None else traces)
+            if traces is not None and key is not None and copies is not None:
+                traces[key] = copies
+        if copies is not None:
+            return copies
     rules = [_update_rule(plan, layout, unit_scale) for layout in layouts]
     max_grad_norm = plan.max_grad_norm
 
@@ -131,10 +134,10 @@ def capture_update(plan, layouts, n_groups, unit_scale=False, traces=None):
 
 
 class GraphOnly:
-    """An fx graph where lowering takes a ``GraphModule`` (``.graph``): the
-    stitched update graph is lowered, never run, so it needs no Python code
-    generated for it.  ``dead_code_free``: copies of rules whose dead code was
-    removed before copying, so lowering need not look for any."""
+    """An fx graph where lowering takes a ``GraphModule`` (``.graph``): a
+    traced rule is lowered, never run, so it needs no Python code generated
+    for it.  ``dead_code_free``: its dead code was removed once, when it was
+    traced, so lowering need not look for any."""
 
     def __init__(self, graph, dead_code_free=False):
         self.graph = graph
@@ -142,8 +145,8 @@ class GraphOnly:
 
 
 def _update_by_parameter(plan, layouts, n_groups, unit_scale, traces):
-    """The update graph of ``capture_update`` built from small traces of the
-    rule, copied once per parameter: without global clipping every
+    """The update of ``capture_update`` as small traces of the rule, to be
+    copied once per parameter (``RuleCopies``): without global clipping every
     parameter's update is independent, and models repeat a few layouts many
     times (tracing each op costs about a millisecond).
 
@@ -155,9 +158,9 @@ def _update_by_parameter(plan, layouts, n_groups, unit_scale, traces):
     parameter's shape; a kind whose trace depends on the shape (a tensor of
     another shape, a list argument, traces that disagree) is traced for
     every shape, and so is a 0-d or empty parameter (type promotion treats
-    0-d tensors apart).  The copies are merged as torch.fx's CSE pass merges them
-    (``_Copies``).  None when a traced rule holds tensor constants."""
-    n, n_h, n_g = len(layouts), len(plan.hyper), len(plan.globals)
+    0-d tensors apart).  None when a traced rule cannot be copied op for op
+    (``_copyable``: it holds tensor constants, say)."""
+    n_h, n_g = len(plan.hyper), len(plan.globals)
 
     def one(layout):
         prepare, apply = _update_rule(plan, layout, unit_scale)
@@ -214,142 +217,35 @@ def _update_by_parameter(plan, layouts, n_groups, unit_scale, traces):
                     if any(node.op == "get_attr" for node in own.nodes):
                         return None
                     template[layout] = (own, layout.shape)
-    copies = _Copies()
-    inputs = copies.inputs
-    params, grads = inputs("params", n), inputs("grads", n)
-    state = [inputs(f"state_{i}", len(layout.slots_in)) for i, layout in enumerate(layouts)]
-    steps = inputs("steps", n)
-    hyper = inputs("hyper", n_groups * n_h)
-    globals_ = inputs("globals", n_g)
-    grad_scale, = inputs("grad_scale", 1)
-    new_params, new_state, new_steps = [], [], []
-    for i, layout in enumerate(layouts):
-        grp, n_out = layout.group, len(layout.slots_out)
-        sub, traced_shape = template[layout]
-        ours = ([params[i], grads[i]] + state[i] + [steps[i]]
-                + hyper[grp * n_h:(grp + 1) * n_h] + globals_ + [grad_scale])
-        outs = pytree.tree_leaves(copies.copy(sub, ours, traced_shape, layout.shape))
-        new_params.append(outs[0])                 # make_fx returns a flat list
-        new_state.append(outs[1:1 + n_out])
-        new_steps.append(outs[1 + n_out])
-    graph = copies.graph
-    scalar = torch.empty((), dtype=torch.float64, device="meta")
-    for node in hyper + globals_:          # groups without trainable parameters
-        node.meta.setdefault("val", scalar)
-    graph.output((new_params, new_state, new_steps))
-    return _cast_scalars_once(GraphOnly(graph, dead_code_free=True))
+    rules = [template[layout] for layout in layouts]
+    if not all(_copyable(sub) for sub in {id(sub): sub for sub, _ in rules}.values()):
+        return None
+    return RuleCopies(list(layouts), rules, n_groups, n_h, n_g)
 
 
-class _Copies:
-    """The stitched update graph: each parameter's copy of its traced rule,
-    merged as ``graph_copy`` of every copy followed by torch.fx's CSE pass
-    (``torch.fx.passes.dialect.common.cse_pass``) would merge them, without
-    building the graph of all copies: a node is copied unless an earlier
-    node of the same target on the same arguments stands for it (each
-    parameter's copy recomputes the same scalar hyperparameter arithmetic,
-    ``1 - dampening``, ``-lr``, computed once per group instead), and every
-    node keeps the name it takes in the graph of all copies (``names``
-    follows that graph's namespace)."""
-
-    def __init__(self):
-        from torch.fx.passes.dialect.common.cse_pass import get_CSE_banned_ops
-        self.graph = torch.fx.Graph()
-        self.names = torch.fx.graph._Namespace()
-        self.banned = get_CSE_banned_ops()
-        self.seen, self.tokens = {}, {}
-        self.values = {}            # (shape, dtype) -> a meta tensor of them
-
-    def inputs(self, prefix, count):
-        nodes = [self.graph.placeholder(f"{prefix}_{k}") for k in range(count)]
-        for node in nodes:
-            self.names.create_name(node.name, None)
-        return nodes
-
-    def _value(self, node, traced_shape, shape):
-        """``node``'s value at ``shape``: tensors of the traced parameter's
-        shape take the parameter's."""
-        v = node.meta["val"]
-        if shape == traced_shape or not isinstance(v, torch.Tensor) \
-                or tuple(v.shape) != traced_shape:
-            return v
-        if (shape, v.dtype) not in self.values:
-            self.values[shape, v.dtype] = torch.empty(shape, dtype=v.dtype, device="meta")
-        return self.values[shape, v.dtype]
-
-    def copy(self, sub, ours, traced_shape, shape):
-        """Copies graph ``sub`` (traced at ``traced_shape``) for a parameter of
-        ``shape`` whose inputs are the placeholders ``ours``; returns the
-        copy's outputs."""
-        theirs = [node for node in sub.nodes if node.op == "placeholder"]
-        env = {}
-        for mine, node in zip(ours, theirs):
-            mine.meta.setdefault("val", self._value(node, traced_shape, shape))
-            env[node] = mine
-        for node in sub.nodes:
-            if node.op == "placeholder":
-                continue
-            if node.op == "output":
-                return torch.fx.node.map_arg(node.args[0], env.__getitem__)
-            name = self.names.create_name(node.name, None)
-            args = torch.fx.node.map_arg(node.args, env.__getitem__)
-            kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-            key = None
-            if node.op != "get_attr" and \
-                    getattr(node.target, "overloadpacket", node.target) not in self.banned:
-                flat, args_spec = _flatten(args)
-                flat_kw, kwargs_spec = _flatten(kwargs)
-                token = {"target": node.target, "args": tuple(flat), "args_spec": args_spec,
-                         "kwargs": tuple(flat_kw), "kwargs_spec": kwargs_spec}
-                key = (node.target, hash((token["args"], token["kwargs"])))
-                if key in self.seen and self.tokens[key] == token:
-                    env[node] = self.seen[key]
-                    continue
-            new = self.graph.create_node(node.op, node.target, args, kwargs, name, node.type)
-            new.meta = copy.copy(node.meta)
-            if shape != traced_shape and "val" in node.meta:
-                new.meta["val"] = self._value(node, traced_shape, shape)
-                new.meta.pop("tensor_meta", None)
-            env[node] = new
-            if key is not None and key not in self.seen:
-                self.seen[key], self.tokens[key] = new, token
-        raise AssertionError("a traced graph without an output")
+@dataclass
+class RuleCopies:
+    """The update over every parameter as copies of its traced rules,
+    lowered by ``passes/update_copies.py``: ``rules[i]`` is parameter
+    ``i``'s rule, ``(fx graph, the shape it was traced at)``, shared by the
+    parameters of its kind.  The update's inputs are those of
+    ``capture_update``."""
+    layouts: list
+    rules: list
+    n_groups: int
+    n_hyper: int            # hyperparameters per param group
+    n_globals: int
 
 
-_IMMUTABLE_LIST = torch.fx.immutable_collections.immutable_list
-_IMMUTABLE_DICT = torch.fx.immutable_collections.immutable_dict
-_SEQUENCES = (tuple, list, _IMMUTABLE_LIST)
-_MAPPINGS = (dict, _IMMUTABLE_DICT)
-_LEAVES = (torch.fx.Node, bool, int, float, str, type(None), torch.dtype, torch.device,
-           torch.layout, torch.memory_format)
-
-
-class _Unusual(Exception):
-    """A container ``_flatten`` leaves to pytree."""
-
-
-def _flatten(x):
-    """``pytree.tree_flatten(x)`` for the arguments of fx nodes: the same
-    leaves, and a structure that is equal exactly where pytree's specs are
-    (the containers' types, a mapping's keys, the children's structures):
-    tuples, lists, dicts and fx's immutable ones walked directly, any other
-    container left to pytree."""
-    leaves = []
-
-    def walk(y):
-        t = type(y)
-        if t in _SEQUENCES:
-            return (t, tuple(walk(z) for z in y))
-        if t in _MAPPINGS:
-            return (t, tuple(y), tuple(walk(z) for z in y.values()))
-        if isinstance(y, _LEAVES):
-            leaves.append(y)
-            return None
-        raise _Unusual
-    try:
-        return leaves, ("spec", walk(x))
-    except _Unusual:
-        flat, spec = pytree.tree_flatten(x)
-        return flat, ("pytree", spec)
+def _copyable(graph):
+    """A traced rule whose nodes lower one by one, each to at most one op:
+    no constants, control-flow markers or writes into its inputs."""
+    from .control_flow import MARKERS
+    for node in graph.nodes:
+        if node.op == "get_attr" or node.op == "call_function" and (
+                node.target in MARKERS or node.target is aten.copy_.default):
+            return False
+    return True
 
 
 def _replace_shape(layout, shape):

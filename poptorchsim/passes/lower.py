@@ -118,9 +118,11 @@ _LEAVES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.l
            torch.memory_format)
 
 
-def lower(gm, name, roles, n_model_outputs=0):
+def lower(gm, name, roles, n_model_outputs=0, values=None):
     """Lower ``gm`` to an IR graph; ``roles[i]`` = (name, role) of placeholder i;
-    the first ``n_model_outputs`` outputs are the model's own."""
+    the first ``n_model_outputs`` outputs are the model's own.  ``values``: a
+    dict given every node's IR value (a Tensor, a list of them for a
+    multi-output op; none for a node lowering drops)."""
     if not getattr(gm, "dead_code_free", False):    # capture/update_capture.GraphOnly
         gm.graph.eliminate_dead_code()
     graph = root = Graph(name)
@@ -270,6 +272,14 @@ def lower(gm, name, roles, n_model_outputs=0):
             f"The model uses {len(unsupported)} operation(s) that poptorchsim cannot "
             "place on the IPU:\n" + "\n".join(lines) + "\nReplace them with supported "
             "operations, or compute them on the host before calling the model.")
+    if values is not None:
+        values.update(env)
+    return finish(graph)
+
+
+def finish(graph):
+    """A lowered graph's MultiConv groups and shared available-memory
+    proportions, then the graph verified."""
     _group_multiconvs(graph)
     _share_available_memory(graph)
     return verify_graph(graph)

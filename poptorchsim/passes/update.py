@@ -6,13 +6,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..capture.optimizer_checks import read_settings
-from ..capture.update_capture import ParamUpdate, capture_update
+from ..capture.update_capture import ParamUpdate, RuleCopies, capture_update
 from ..capture.update_rules import plan_update
 from ..errors import Error
 from . import locations as tensor_locations
 from . import optimizer_state as opt_layout
 from .host_scalars import mark_host_scalars
 from .lower import lower, mark_role
+from .update_copies import lower_copies
 
 
 def update_plan(optimizer, ga, running_mean=False, auto_loss_scaling=False):
@@ -76,8 +77,9 @@ def build_update(model, optimizer, capture, plan, shards=None, unit_scale=False,
              + [(f"hyper/{g}/{h}", "hyper") for g in range(n_groups) for h in plan.hyper]
              + [(f"hyper/{h}", "hyper") for h in plan.globals]
              + [("grad_scale", "hyper")])
-    graph = mark_role(lower(update_fx, "optimizer_update", roles), "grad_scale",
-                      "gradient unscale")
+    graph = (lower_copies(update_fx, "optimizer_update", roles)
+             if isinstance(update_fx, RuleCopies) else lower(update_fx, "optimizer_update", roles))
+    graph = mark_role(graph, "grad_scale", "gradient unscale")
     # bias corrections, lr / bias_correction, the step count: the host's work
     graph = mark_host_scalars(graph, counters=[f"step/{n}" for n in names])
     graph.outputs_overwrite_inputs = True     # variables are updated in place

@@ -18,11 +18,13 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from poptorchsim.capture import blocks, update_capture
 from poptorchsim.capture import trace as capture_trace
-from poptorchsim.capture.update_capture import ParamUpdate, _flatten, capture_update
+from poptorchsim.capture.update_capture import ParamUpdate, capture_update
 from poptorchsim.capture.update_rules import RULES, UpdatePlan
 from poptorchsim.passes import liveness as memory
 from poptorchsim.passes import recompute
-from poptorchsim.passes.lower import _map_only
+from poptorchsim.ir.graph import Tensor
+from poptorchsim.passes.lower import _map_only, lower
+from poptorchsim.passes.update_copies import _flatten, lower_copies
 from poptorchsim.passes.tile_mapping import TileMapping
 from poptorchsim.runtime import collector
 
@@ -207,15 +209,37 @@ def _update_by_layout(plan, layouts, n_groups, unit_scale):
     return update_capture._cast_scalars_once(gm.graph_module)
 
 
+def _roles(layouts, n_groups, plan):
+    n = len(layouts)
+    return ([(f"p{i}", "param") for i in range(n)] + [(f"g{i}", "accumulator") for i in range(n)]
+            + [(f"s{i}_{k}", "state") for i, lay in enumerate(layouts)
+               for k in range(len(lay.slots_in))]
+            + [(f"step{i}", "state") for i in range(n)]
+            + [(f"h{g}_{h}", "hyper") for g in range(n_groups) for h in plan.hyper]
+            + [(f"g_{h}", "hyper") for h in plan.globals] + [("grad_scale", "hyper")])
+
+
+def _lowered(update, layouts, n_groups, plan):
+    """The update's IR graph: ``RuleCopies`` copied at IR level, an fx graph
+    lowered."""
+    roles = _roles(layouts, n_groups, plan)
+    if isinstance(update, update_capture.RuleCopies):
+        return lower_copies(update, "optimizer_update", roles)
+    return lower(update, "optimizer_update", roles)
+
+
 def _described(graph):
-    """Every node: name, op, target, arguments (nodes by name) and its value's
-    shape and type."""
-    def value(v):
-        return [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
-                for x in pytree.tree_leaves(v)]
-    return [(node.name, node.op, str(node.target),
-             str(torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.name)),
-             value(node.meta.get("val"))) for node in graph.nodes]
+    """Every input, op and output of an IR graph, in order: names, targets,
+    arguments (tensors by name), shapes, types and every field lowering sets."""
+    def arg(x):
+        return _map_only(Tensor, lambda t: ("%", t.name), x)
+    ins = [(t.id, t.name, t.shape, t.dtype, t.role) for t in graph.inputs]
+    ops = [(op.id, op.name, str(op.target), str(arg(op.args)), str(arg(op.kwargs)),
+            [None if t is None else (t.id, t.name, t.shape, t.dtype, t.role) for t in op.outputs],
+            op.cost_class, op.multi_output, op.inplace, op.traced_layout, op.block,
+            op.backward, op.available_memory, op.attrs, op.source) for op in graph.ops]
+    assert [t.id for t in graph.tensors] == list(range(len(graph.tensors)))
+    return ins, ops, [t.name for t in graph.outputs]
 
 
 def _plan(kind, n_groups, flags, dtypes=(), loss_scaling=True):
@@ -244,8 +268,10 @@ def test_update_from_one_trace_per_kind_equals_one_trace_per_layout(kind):
                                    tuple((s, slot_dtype) for s in slots),
                                    tuple((s, slot_dtype) for s in slots)))
     fast = capture_update(plan, layouts, 2, unit_scale=False)
+    assert isinstance(fast, update_capture.RuleCopies)
     plain = _update_by_layout(plan, layouts, 2, unit_scale=False)
-    assert _described(fast.graph) == _described(plain.graph)
+    assert _described(_lowered(fast, layouts, 2, plan)) == \
+        _described(_lowered(plain, layouts, 2, plan))
     # a second capture of the same optimizer (the update over whole weights of
     # sharded state) at other shapes reuses the kinds already traced and checked
     shards = [layout for layout in layouts if layout.dtype == torch.float32 and layout.group == 0]
@@ -259,7 +285,8 @@ def test_update_from_one_trace_per_kind_equals_one_trace_per_layout(kind):
     again = capture_update(plan, whole, 2, False, traces)
     assert len(rules()) == n_traces
     assert capture_update(plan, whole, 2, False, traces) is again     # kept whole
-    assert _described(again.graph) == _described(_update_by_layout(plan, whole, 2, False).graph)
+    assert _described(_lowered(again, whole, 2, plan)) == \
+        _described(_lowered(_update_by_layout(plan, whole, 2, False), whole, 2, plan))
 
 
 def test_a_rule_that_names_a_shape_is_traced_per_shape(monkeypatch):
@@ -275,7 +302,32 @@ def test_a_rule_that_names_a_shape_is_traced_per_shape(monkeypatch):
     layouts = [ParamUpdate(s, torch.float32, torch.float32, 0) for s in [(6, 2), (5,), (6, 2)]]
     fast = capture_update(plan, layouts, 1)
     plain = _update_by_layout(plan, layouts, 1, False)
-    assert _described(fast.graph) == _described(plain.graph)
+    assert _described(_lowered(fast, layouts, 1, plan)) == \
+        _described(_lowered(plain, layouts, 1, plan))
+
+
+def test_a_rule_with_a_multi_output_op_is_copied_at_every_shape(monkeypatch):
+    """A rule with an op of several results (here ``sort``, its results the
+    parameter's shape) is copied to other shapes with every result at the
+    parameter's shape, and its result nodes named as the graph of copies
+    names them."""
+    rule = RULES["sgd"]
+
+    def sorted_(param, grad, state, h, step, flags):
+        new, st = rule.fn(param, grad, state, h, step, flags)
+        values, indices = torch.sort(new, dim=-1)
+        return values + indices.to(values.dtype), st
+    monkeypatch.setitem(RULES, "sgd", type(rule)(rule.hyper, sorted_, rule.scale_grad))
+    plan = _plan("sgd", 1, dict(_FLAGS, momentum=False))
+    layouts = [ParamUpdate(s, torch.float32, torch.float32, 0) for s in [(6, 2), (5,), (3, 4)]]
+    fast = capture_update(plan, layouts, 1)
+    assert isinstance(fast, update_capture.RuleCopies)
+    graph = _lowered(fast, layouts, 1, plan)
+    sorts = [op for op in graph.ops if op.multi_output]
+    assert [[t.shape for t in op.outputs] for op in sorts] == [[(6, 2)] * 2, [(5,)] * 2,
+                                                               [(3, 4)] * 2]
+    plain = _update_by_layout(plan, layouts, 1, False)
+    assert _described(graph) == _described(_lowered(plain, layouts, 1, plan))
 
 
 # -- argument walks against pytree ---------------------------------------------------------------
