@@ -20,12 +20,12 @@ from poptorchsim.capture import blocks, update_capture
 from poptorchsim.capture import trace as capture_trace
 from poptorchsim.capture.update_capture import ParamUpdate, capture_update
 from poptorchsim.capture.update_rules import RULES, UpdatePlan
+from poptorchsim.ir.graph import Tensor
 from poptorchsim.passes import liveness as memory
 from poptorchsim.passes import recompute
-from poptorchsim.ir.graph import Tensor
 from poptorchsim.passes.lower import _map_only, lower
-from poptorchsim.passes.update_copies import _flatten, lower_copies
 from poptorchsim.passes.tile_mapping import TileMapping
+from poptorchsim.passes.update_copies import _flatten, lower_copies
 from poptorchsim.runtime import collector
 
 
