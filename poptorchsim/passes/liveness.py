@@ -190,7 +190,10 @@ def _usage_peak(live, buffers, scale, tiles, temps, block=256):
     """``(usage.max(axis=0), usage.argmax(axis=0))`` of ``_usage``'s matrix,
     the same numbers, without holding it: the sweep's changes are kept only
     at the ops where buffers begin and end, and the running sum is taken
-    ``block`` ops at a time."""
+    ``block`` rows at a time.  Where temporary bytes are kept by op, only
+    the ops where the sum changes or an op adds some are visited: between
+    them every op's row is the running sum, so the first op of such a run
+    stands for it (the first op at a tile's peak is the one found)."""
     n_ops = live.n_ops
     peak, at = np.zeros(tiles), np.zeros(tiles, dtype=np.int64)
     if n_ops == 0:
@@ -208,25 +211,47 @@ def _usage_peak(live, buffers, scale, tiles, temps, block=256):
             extra = temps.rows
     elif isinstance(temps, (int, float)):
         extra = {}
+    if isinstance(extra, dict):
+        visited = sorted(k for k in set(delta) | set(extra) if k < n_ops)
+    else:
+        visited = range(n_ops)
     rows = extra.get if isinstance(extra, dict) else extra.__getitem__
     current = np.zeros(tiles)
-    chunk = np.empty((min(block, n_ops), tiles))
+    chunk = np.empty((min(block, 2 * len(visited) + 1), tiles))
+    ops: list = []                    # the op each row of chunk is
     peak[:] = -np.inf
-    for start in range(0, n_ops, block):
-        m = min(block, n_ops - start)
-        for j in range(m):
-            change = delta.get(start + j)
-            if change is not None:
-                np.add(current, change, out=current)
-            row = rows(start + j)
-            if row is None:
-                chunk[j] = current
-            else:
-                np.add(current, row, out=chunk[j])
-        part = chunk[:m]
+
+    def reduce():
+        part = chunk[:len(ops)]
         high, where = part.max(axis=0), part.argmax(axis=0)
         better = high > peak
-        peak[better], at[better] = high[better], where[better] + start
+        peak[better], at[better] = high[better], np.asarray(ops)[where[better]]
+        ops.clear()
+
+    covered = 0                       # the ops before it are in a row of chunk
+    for k in visited:
+        if k > covered:               # ops covered..k-1: the running sum
+            chunk[len(ops)] = current
+            ops.append(covered)
+            if len(ops) == len(chunk):
+                reduce()
+        change = delta.get(k)
+        if change is not None:
+            np.add(current, change, out=current)
+        row = rows(k)
+        if row is None:
+            chunk[len(ops)] = current
+        else:
+            np.add(current, row, out=chunk[len(ops)])
+        ops.append(k)
+        if len(ops) == len(chunk):
+            reduce()
+        covered = k + 1
+    if covered < n_ops:
+        chunk[len(ops)] = current
+        ops.append(covered)
+    if ops:
+        reduce()
     return peak, at
 
 
@@ -331,8 +356,27 @@ class Usage:
         return np.asarray(self).max(axis=axis)
 
 
+def buffer_walk(graph, find):
+    """Per op of ``graph``: (the buffers its results begin, as (IPU, root)
+    pairs, and the buffers (root ids) it reads), for ``live_usage``, which
+    walks it once per IPU.  A result begins a buffer where it is an
+    activation with bytes whose root is one too (not a view of a variable),
+    and not a variable's new value written in place."""
+    skip = {t.id for t in graph.outputs} if graph.outputs_overwrite_inputs else set()
+    walk = []
+    for op in graph.ops:
+        made = []
+        for t in op.outputs:
+            if t is not None and t.role == "activation" and t.nbytes and t.id not in skip:
+                r = find(t)
+                if r.role == "activation":
+                    made.append((t.mapping.ipu, r))
+        walk.append((made, [find(t).id for t in op.input_tensors()]))
+    return walk
+
+
 def live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True, find=None,
-               keep_small=False):
+               keep_small=False, walk=None):
     """(usage, live, buffers): bytes live on each tile at each op (ops x tiles),
     which buffers are live at each op (a ``Liveness``: ops x buffers), and the
     buffers.
@@ -345,31 +389,25 @@ def live_usage(graph, tiles, temps, ipu=0, op_phase=None, recomputing=True, find
     write or read it, and waits in Streaming Memory in between.
     ``recomputing=False``: as if the graph's recomputed ops kept their
     results (to measure what recomputation saves).  ``find``: the graph's
-    ``buffer_roots``, where the caller has it.  ``keep_small``: the usage
-    as a ``Usage`` (its per-tile peak kept, the matrix computed on demand)."""
+    ``buffer_roots``, where the caller has it, and ``walk`` its
+    ``buffer_walk``.  ``keep_small``: the usage as a ``Usage`` (its per-tile
+    peak kept, the matrix computed on demand)."""
     n_ops = len(graph.ops)
     if n_ops == 0:
         return np.zeros((0, tiles)), np.zeros((0, 0), dtype=bool), []
     find = find or buffer_roots(graph)
-    overwrite = graph.outputs_overwrite_inputs
-    skip = {t.id for t in graph.outputs} if overwrite else set()
     first: dict = {}
     last: dict = {}
     buffers: dict = {}
-    for k, op in enumerate(graph.ops):
-        for t in op.outputs:
-            if (t is not None and t.role == "activation" and t.nbytes and t.id not in skip
-                    and t.mapping.ipu == ipu):
-                r = find(t)
-                if r.role != "activation":      # a view of a variable: no new memory
-                    continue
+    for k, (made, read) in enumerate(walk or buffer_walk(graph, find)):
+        for t_ipu, r in made:
+            if t_ipu == ipu:
                 buffers[r.id] = r
                 first.setdefault(r.id, k)
                 last[r.id] = max(last.get(r.id, k), k)
-        for t in op.input_tensors():
-            r = find(t)
-            if r.id in buffers:
-                last[r.id] = k
+        for i in read:
+            if i in buffers:
+                last[i] = k
     for t in graph.outputs:
         r = find(t)
         if r.id in buffers:

@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import OutOfMemoryError
-from .liveness import Temps, buffer_roots, live_usage
+from .liveness import Temps, buffer_roots, buffer_walk, live_usage
 
 VERTEX_STATE_BYTES = 48        # per op, per tile it runs on
 # How far the fullest tile's bytes may be from Poplar's: the median error of
@@ -290,11 +290,12 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None, shared
         temps.loads = [loaded[t.name] for t in graph.inputs if t.name in loaded]
         offload = phased and program.activations_off_chip
         if graph.name not in shared:
-            shared[graph.name] = buffer_roots(graph)
-        find = shared[graph.name]
+            roots = buffer_roots(graph)
+            shared[graph.name] = (roots, buffer_walk(graph, roots))
+        find, walk = shared[graph.name]
         usage, live, buffers = live_usage(graph, tiles, temps, ipu,
                                            op_phase if offload else None, find=find,
-                                           keep_small=True)
+                                           keep_small=True, walk=walk)
         graphs[graph.name] = (usage, live, buffers)
         rec = graph.recompute
         if rec is not None and rec.mode:
@@ -302,7 +303,8 @@ def plan_memory(program, variables, target, costs, ipu=0, locations=None, shared
             recomputed_ops += [op.name for op in graph.ops if op in rec.ops]
         if rec and len(usage):
             without = live_usage(graph, tiles, temps, ipu, op_phase if offload else None,
-                                  recomputing=False, find=find, keep_small=True)[0]
+                                  recomputing=False, find=find, keep_small=True,
+                                  walk=walk)[0]
             plain = np.maximum(plain, without.max(axis=0).astype(np.int64))
         elif len(usage):
             plain = np.maximum(plain, usage.max(axis=0).astype(np.int64))

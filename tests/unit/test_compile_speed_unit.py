@@ -42,7 +42,7 @@ def _dense_loaded(temps, loads, op_phase):
 @pytest.mark.parametrize("seed", range(12))
 def test_usage_swept_over_the_ops_equals_the_dense_product(seed):
     rng = np.random.default_rng(seed)
-    tiles, n_ops, n_buf = 24, int(rng.integers(1, 40)), int(rng.integers(0, 30))
+    tiles, n_ops, n_buf = 24, int(rng.integers(1, 120)), int(rng.integers(0, 30))
     start = rng.integers(0, n_ops, n_buf)
     end = np.minimum(n_ops - 1, start + rng.integers(0, n_ops, n_buf))
     lo = np.full(n_buf, -1)
@@ -88,6 +88,14 @@ def test_usage_swept_over_the_ops_equals_the_dense_product(seed):
                           matrix.astype(np.float64) @ per_tensor + dense)
     assert np.array_equal(memory._usage(live, buffers, scale, tiles, 0),
                           matrix.astype(np.float64) @ per_tensor)
+    # the peak of every tile and the first op at it, without the matrix: visiting
+    # only the ops where the sum changes, a few rows at a time
+    for block in (3, 256):
+        for t, full in ((temps, expected), (dense, expected),
+                        (0, matrix.astype(np.float64) @ per_tensor)):
+            peak, at = memory._usage_peak(live, buffers, scale, tiles, t, block=block)
+            assert np.array_equal(peak, full.max(axis=0))
+            assert np.array_equal(at, full.argmax(axis=0))
 
 
 def test_loads_added_at_once_equal_loads_added_one_by_one():
