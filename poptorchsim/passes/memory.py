@@ -176,17 +176,39 @@ class Code:
         self.state = np.zeros(tiles, dtype=np.int64)
         self.tiles, self.per_step, self.sync = tiles, per_step, sync
         self.seen = set()
+        self.occupied: dict = {}        # mapping -> (its tiles, their bits), None if none
+        self.names: dict = {}           # target -> its name
+
+    def _tiles(self, op):
+        """(the tiles ``op`` runs on, their bits), None where none: a result's
+        mapping's are kept (results share their input's mapping, so the same
+        few are asked for again and again)."""
+        outs = op.outputs
+        if len(outs) == 1 and outs[0] is not None and not op.host_scalar \
+                and op.cost_class != "view":
+            mapping = outs[0].mapping
+            if mapping not in self.occupied:
+                used = mapping.bytes_per_tile(self.tiles) > 0
+                self.occupied[mapping] = (used, np.packbits(used).tobytes()) \
+                    if used.any() else None
+            return self.occupied[mapping]
+        used = _used_tiles(op, self.tiles)
+        return (used, np.packbits(used).tobytes()) if used.any() else None
 
     def add(self, op, cost, control=True):
         """``control=False``: vertex state only (a loop or conditional, whose
         sub-graphs' ops hold the control code)."""
-        used = _used_tiles(op, self.tiles)
-        if not used.any():
+        tiles = self._tiles(op)
+        if tiles is None:
             return
-        key = (str(op.target), op.cost_class,
+        used, bits = tiles
+        name = self.names.get(op.target)
+        if name is None:
+            name = self.names[op.target] = str(op.target)
+        key = (name, op.cost_class,
                tuple((tuple(t.shape), str(t.dtype)) for t in op.input_tensors()),
                tuple((tuple(t.shape), str(t.dtype)) for t in op.outputs if t is not None),
-               np.packbits(used).tobytes())
+               bits)
         if key in self.seen:
             return
         self.seen.add(key)

@@ -20,7 +20,6 @@ and name for name (tests/unit/test_compile_speed_unit.py compares them):
 Making fx nodes for BERT-Large's 17,000 update ops and lowering them took
 most of its update's compile time; copying IR ops takes a fraction of it.
 """
-import copy
 import itertools
 import operator
 
@@ -39,6 +38,8 @@ aten = torch.ops.aten
 _CAST = aten._to_copy.default
 _CAST_NAME = "_to_copy_default"     # what torch.fx names a node of aten._to_copy.default
 _LOW_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_FLAT = (Tensor, bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout,
+         torch.memory_format)    # arguments that are leaves
 
 
 def lower_copies(copies: RuleCopies, name, roles) -> Graph:
@@ -47,7 +48,8 @@ def lower_copies(copies: RuleCopies, name, roles) -> Graph:
     layouts, n_h = copies.layouts, copies.n_hyper
     n = len(layouts)
     names = _Namespace()            # the copies' graph names every node it copies ...
-    made = _Namespace()             # ... and the nodes it keeps
+    made = _Namespace()             # ... and the nodes it keeps, whose names the casts' own
+    # names step over (only those of the casts' base name, "_to_copy_default", can meet them)
     counts = [("params", n), ("grads", n)] + [
         (f"state_{i}", len(layout.slots_in)) for i, layout in enumerate(layouts)] + [
         ("steps", n), ("hyper", copies.n_groups * n_h), ("globals", copies.n_globals),
@@ -155,7 +157,14 @@ class _Rule:
                 prefix = op.name[:len(op.name) - len(node.name)]
                 args, args_spec = _flatten(op.args)
                 kwargs, kwargs_spec = _flatten(op.kwargs)
-                self.spec[op] = (prefix, tuple(args), args_spec, tuple(kwargs), kwargs_spec)
+                # arguments a flat tuple, keyword arguments without tensors: a copy's
+                # are its leaves and the rule's keywords
+                flat = type(op.args) is tuple and len(args) == len(op.args) and \
+                    all(type(a) in _FLAT for a in op.args)
+                plain = type(op.kwargs) is dict and not any(
+                    type(v) is Tensor or type(v) not in _FLAT for v in op.kwargs.values())
+                self.spec[op] = (prefix, tuple(args), args_spec, tuple(kwargs), kwargs_spec,
+                                 flat, plain)
             self.nodes.append((node.name, op))
         if next(ops, None) is not None:
             raise AssertionError("a rule's op without a node")
@@ -163,12 +172,14 @@ class _Rule:
     def copy(self, op, name, mine, traced, shape, merged, ops, made):
         """Copies ``op`` for a parameter of ``shape`` (``mine``: this rule's
         tensors -> the parameter's), unless an earlier op computes the same."""
-        prefix, args, args_spec, kwargs, kwargs_spec = self.spec[op]
+        prefix, args, args_spec, kwargs, kwargs_spec, flat, plain = self.spec[op]
         key = token = None
         target = op.target
+        leaves = None
         if getattr(target, "overloadpacket", target) not in merged.banned:
             leaves = tuple([mine.get(x, x) if type(x) is Tensor else x for x in args])
-            kw_leaves = tuple([mine.get(x, x) if type(x) is Tensor else x for x in kwargs])
+            kw_leaves = kwargs if plain else tuple(
+                [mine.get(x, x) if type(x) is Tensor else x for x in kwargs])
             token = (target, leaves, args_spec, kw_leaves, kwargs_spec)
             try:
                 key = (target, hash((leaves, kw_leaves)))
@@ -181,11 +192,13 @@ class _Rule:
                         if t is not None:
                             mine[t] = e
                     return
-        new = copy.copy(op)
+        new = object.__new__(Op)         # a copy of op's fields (copy.copy's, cheaper)
+        new.__dict__.update(op.__dict__)
         new.name = prefix + name
-        made.create_name(name, None)
-        new.args = _substitute(op.args, mine)
-        new.kwargs = _substitute(op.kwargs, mine)
+        if name.startswith(_CAST_NAME):     # the only names the casts' names can meet
+            made.create_name(name, None)
+        new.args = leaves if flat and leaves is not None else _substitute(op.args, mine)
+        new.kwargs = dict(op.kwargs) if plain else _substitute(op.kwargs, mine)
         new.attrs = dict(op.attrs)
         new._inputs = None
         new.outputs = []
@@ -245,12 +258,16 @@ def _with_scalar_casts(ops, inputs, made):
                 position[t] = (i, k)
     casts: dict = {}
     after: list = []            # (position of the operand, -count, cast op)
+    pointwise: dict = {}        # target -> an element-wise ATen op?
     for op in ops:
         out = op.outputs[0] if len(op.outputs) == 1 else None
+        if op.multi_output or out is None or out.dtype not in _LOW_FLOATS:
+            continue
         target = op.target
-        if op.multi_output or out is None or out.dtype not in _LOW_FLOATS \
-                or not isinstance(target, torch._ops.OpOverload) \
-                or torch.Tag.pointwise not in target.tags:
+        if target not in pointwise:
+            pointwise[target] = isinstance(target, torch._ops.OpOverload) and \
+                torch.Tag.pointwise in target.tags
+        if not pointwise[target]:
             continue
         args = tuple([_cast(a, out.dtype, casts, after, position, made) for a in op.args])
         if any(a is not b for a, b in zip(args, op.args)):
