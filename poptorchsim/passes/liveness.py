@@ -198,8 +198,18 @@ def _usage_peak(live, buffers, scale, tiles, temps, block=256):
     peak, at = np.zeros(tiles), np.zeros(tiles, dtype=np.int64)
     if n_ops == 0:
         return peak, at
-    delta = _SparseRows(tiles)
-    _add_buffers(live, buffers, scale, tiles, delta)
+    # each buffer's bytes added to the running sum where a run of its liveness
+    # begins and taken away after it ends, tile slice by tile slice: whole numbers,
+    # so the sums are exact and the same as _usage's rows of changes give
+    changes: dict = {}                # op -> [(slices of a buffer's bytes, +1 or -1)]
+    placed: dict = {}
+    for i, a, b in zip(*live.intervals()):
+        i = int(i)
+        if i not in placed:
+            placed[i] = _placed(buffers[i].mapping, tiles, scale[i])
+        changes.setdefault(int(a), []).append((placed[i], 1))
+        changes.setdefault(int(b) + 1, []).append((placed[i], -1))
+    delta = _SparseRows(tiles)        # rows of changes of the variables loaded (temps.sweep)
     extra = temps                     # per op: what _usage adds after the running sum
     if isinstance(temps, Temps):
         if temps.loads and temps.whole():
@@ -212,7 +222,7 @@ def _usage_peak(live, buffers, scale, tiles, temps, block=256):
     elif isinstance(temps, (int, float)):
         extra = {}
     if isinstance(extra, dict):
-        visited = sorted(k for k in set(delta) | set(extra) if k < n_ops)
+        visited = sorted(k for k in set(changes) | set(delta) | set(extra) if k < n_ops)
     else:
         visited = range(n_ops)
     rows = extra.get if isinstance(extra, dict) else extra.__getitem__
@@ -235,6 +245,12 @@ def _usage_peak(live, buffers, scale, tiles, temps, block=256):
             ops.append(covered)
             if len(ops) == len(chunk):
                 reduce()
+        for slices, sign in changes.get(k, ()):
+            for lo, hi, values in slices:
+                if sign > 0:
+                    current[lo:hi] += values
+                else:
+                    current[lo:hi] -= values
         change = delta.get(k)
         if change is not None:
             np.add(current, change, out=current)

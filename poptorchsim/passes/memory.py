@@ -206,8 +206,8 @@ class Code:
         if name is None:
             name = self.names[op.target] = str(op.target)
         key = (name, op.cost_class,
-               tuple((tuple(t.shape), str(t.dtype)) for t in op.input_tensors()),
-               tuple((tuple(t.shape), str(t.dtype)) for t in op.outputs if t is not None),
+               tuple([(t.shape, t.dtype) for t in op.input_tensors()]),
+               tuple([(t.shape, t.dtype) for t in op.outputs if t is not None]),
                bits)
         if key in self.seen:
             return
