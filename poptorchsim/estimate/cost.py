@@ -146,6 +146,24 @@ def op_cost(op, target, amp=0.6):
         return _host_cost(op, target)
     if cls == "view" or not outs:
         return OpCost()
+    if cls in ("elementwise", "transcendental", "random", "creation"):   # no layer cost
+        out_max = float(outs[0].mapping.max_bytes()) if len(outs) == 1 else float(
+            sum(t.mapping.bytes_per_tile(target.tiles) for t in outs).max())
+        per_cycle = _vector_rate(target) * {"transcendental": K.TRANSCENDENTAL_RATE,
+                                           "random": K.RANDOM_RATE,
+                                           "creation": K.CREATION_RATE}.get(cls, 1.0)
+        cost = OpCost(compute=out_max / per_cycle + K.VERTEX_OVERHEAD, sync=target.sync_cycles,
+                      flops=sum(t.numel for t in outs))
+        # Inputs of the same size mapped elsewhere travel over the exchange.
+        size, at, moved = outs[0].nbytes, outs[0].mapping, 0.0
+        for t in op.input_tensors():
+            m, nbytes = t.mapping, t.nbytes
+            if m is not None and nbytes == size and (m.start, m.n_tiles) != (at.start, at.n_tiles):
+                moved += out_max
+            elif m is not None and nbytes < size:
+                moved += min(nbytes, out_max)           # broadcast operand
+        cost.exchange = exchange_cycles(moved, target)
+        return cost
     tiles = target.tiles
     if len(outs) == 1:
         out_bytes = outs[0].mapping.bytes_per_tile(tiles)
@@ -170,24 +188,6 @@ def op_cost(op, target, amp=0.6):
         cost.exchange = exchange + (K.EXCHANGE_SETUP_CYCLES if exchange > 0 else 0)
         cost.sync = steps * sync
         cost.flops = sum(t.numel for t in op.input_tensors())
-        return cost
-
-    if cls in ("elementwise", "transcendental", "random", "creation"):
-        per_cycle = _vector_rate(target) * {"transcendental": K.TRANSCENDENTAL_RATE,
-                                           "random": K.RANDOM_RATE,
-                                           "creation": K.CREATION_RATE}.get(cls, 1.0)
-        cost.compute = out_max / per_cycle + K.VERTEX_OVERHEAD
-        cost.flops = sum(t.numel for t in outs)
-        # Inputs of the same size mapped elsewhere travel over the exchange.
-        moved = 0.0
-        for t in op.input_tensors():
-            m = t.mapping
-            if m is not None and t.nbytes == outs[0].nbytes and \
-                    (m.start, m.n_tiles) != (outs[0].mapping.start, outs[0].mapping.n_tiles):
-                moved += out_max
-            elif m is not None and t.nbytes < outs[0].nbytes:
-                moved += min(t.nbytes, out_max)           # broadcast operand
-        cost.exchange = exchange_cycles(moved, target)
         return cost
 
     if cls == "custom":

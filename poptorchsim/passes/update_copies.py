@@ -17,8 +17,9 @@ and name for name (tests/unit/test_compile_speed_unit.py compares them):
   a whole fx graph: a 0-d operand takes no part in type promotion, so the op
   casts it).
 
-Making fx nodes for BERT-Large's 17,000 update ops and lowering them took
-most of its update's compile time; copying IR ops takes a fraction of it.
+Making fx nodes for BERT-Large's 17,000 update ops (twice: LAMB's sharded
+update and the whole-weight one for the numerics) and lowering them took
+1.8 s of its 2.2 s update pass; copying IR ops takes 0.55 s.
 """
 import itertools
 import operator
@@ -142,7 +143,9 @@ class _Rule:
                            values=values)
         ops = iter(self.graph.ops)
         self.nodes = []
-        self.spec = {}                  # op -> (args' structure, kwargs', their leaves)
+        # op -> (its name's scope prefix, its arguments' leaves and structure, its
+        # keywords', whether the arguments are a flat tuple, the keywords hold no tensor)
+        self.spec = {}
         for node in sub.nodes:
             if node.op in ("placeholder", "output"):
                 continue
@@ -287,6 +290,9 @@ def _with_scalar_casts(ops, inputs, made):
 
 
 def _cast(arg, dtype, casts, after, position, made):
+    """``arg`` cast to ``dtype`` where it is a float64 scalar (the cast made
+    once per operand and type, and queued to follow the operand), else
+    ``arg``."""
     if type(arg) is not Tensor or arg.shape != () or arg.dtype != torch.float64:
         return arg
     cast = casts.get((arg, dtype))
