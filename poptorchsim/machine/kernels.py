@@ -126,8 +126,8 @@ def kernel_for(target, args, kwargs):
         return _under_grad_mode(target._op)
     if not isinstance(target, torch._ops.OpOverload):
         return target
-    key = (target, tuple(_kind(a) for a in args),
-           tuple((k, _kind(v)) for k, v in kwargs.items()))
+    key = (target, tuple([_kind(a) for a in args]),
+           tuple([(k, _kind(v)) for k, v in kwargs.items()]))
     if key not in _CHECKED:
         binding = _binding(target)
         _CHECKED[key] = binding if binding is not None and \

@@ -23,6 +23,7 @@ kernel unchanged, so fp16 results equal PyTorch's CPU fp16 bit for bit.
   partials (the default) are PyTorch's CPU fp16 matmul: fp32 accumulation,
   one rounding at the end.
 """
+import functools
 import math
 
 import torch
@@ -131,14 +132,20 @@ _EXACT_OVERLOADS = {"aten::where.self", "aten::max.dim", "aten::min.dim"}
 def exact_in_half(op):
     """Does ``op`` give values of its fp16 operands only (every floating-point
     operand fp16), so that rounding its fp16 result changes nothing?"""
-    schema = getattr(op.target, "_schema", None)
-    packet = getattr(op.target, "overloadpacket", None)
+    if not _moves_values(op.target):
+        return False
+    return all(t.dtype == HALF for t in op.input_tensors() if t.dtype.is_floating_point)
+
+
+@functools.lru_cache(maxsize=None)
+def _moves_values(target):
+    """Is ``target`` an op that only moves values (``_EXACT_IN_HALF``)?"""
+    schema = getattr(target, "_schema", None)
+    packet = getattr(target, "overloadpacket", None)
     if schema is None or packet is None:
         return False
     name = f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
-    if packet.__name__ not in _EXACT_IN_HALF and name not in _EXACT_OVERLOADS:
-        return False
-    return all(t.dtype == HALF for t in op.input_tensors() if t.dtype.is_floating_point)
+    return packet.__name__ in _EXACT_IN_HALF or name in _EXACT_OVERLOADS
 
 
 def rounds_stochastically(op):
