@@ -8,6 +8,8 @@ on each tile after each op: a sweep over the ops, each buffer's bytes added
 where its liveness begins and taken away after it ends.  ``memory.py``
 builds the memory report from it.
 """
+from typing import Sequence
+
 import numpy as np
 
 from . import recompute
@@ -221,10 +223,9 @@ def _usage_peak(live, buffers, scale, tiles, temps, block=256):
             extra = temps.rows
     elif isinstance(temps, (int, float)):
         extra = {}
+    visited: Sequence[int] = range(n_ops)
     if isinstance(extra, dict):
         visited = sorted(k for k in set(changes) | set(delta) | set(extra) if k < n_ops)
-    else:
-        visited = range(n_ops)
     rows = extra.get if isinstance(extra, dict) else extra.__getitem__
     current = np.zeros(tiles)
     chunk = np.empty((min(block, 2 * len(visited) + 1), tiles))
