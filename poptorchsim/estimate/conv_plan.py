@@ -141,13 +141,19 @@ def _candidates(c, tiles):
     def useful(limit):
         s = _SPLITS[_SPLITS <= max(1, limit)]
         return s
-    g = useful(c.groups)
-    f = useful(c.rows * c.cols)
-    i = useful(cdiv(c.cin, 2))
-    o = useful(cdiv(c.cout, 4))
-    grid = np.stack(np.meshgrid(g, f, i, o, indexing="ij"), -1).reshape(-1, 4)
-    grid = grid[np.prod(grid, axis=1) <= tiles]
-    return grid[:, 0], grid[:, 1], grid[:, 2], grid[:, 3]
+    # the grid of the four splits in lexicographic order, kept where the product
+    # fits: built a split at a time, each step dropping the rows already over
+    # (a product over the tiles stays over), never the whole grid (4 x 10^6 rows
+    # for a batched matmul's many groups)
+    grid = [useful(c.groups)]
+    product = grid[0]
+    for s in (useful(c.rows * c.cols), useful(cdiv(c.cin, 2)), useful(cdiv(c.cout, 4))):
+        n = len(product)
+        product = np.repeat(product, len(s)) * np.tile(s, n)
+        keep = product <= tiles
+        grid = [np.repeat(column, len(s))[keep] for column in grid] + [np.tile(s, n)[keep]]
+        product = product[keep]
+    return grid[0], grid[1], grid[2], grid[3]
 
 
 def _evaluate(c, tiles, limit, serial, sync, coeff, memcpy):

@@ -432,3 +432,32 @@ def test_a_kept_matmul_plan_is_the_plan_made_afresh():
         args = (c, 1472, 0.6 * 638976, 34, 8, 8)
         assert conv_plan.plan(*args) == conv_plan.plan.__wrapped__(*args)
         assert conv_plan.plan(*args) is conv_plan.plan(*args)
+
+
+# -- the plan search's candidate splits ----------------------------------------------------
+def _candidates_by_meshgrid(c, tiles):
+    """The candidate splits as they were made: the whole grid, then the rows
+    whose product fits."""
+    from poptorchsim.estimate import conv_plan
+    from poptorchsim.estimate.conv_params import cdiv
+
+    def useful(limit):
+        return conv_plan._SPLITS[conv_plan._SPLITS <= max(1, limit)]
+    grid = np.stack(np.meshgrid(useful(c.groups), useful(c.rows * c.cols), useful(cdiv(c.cin, 2)),
+                                useful(cdiv(c.cout, 4)), indexing="ij"), -1).reshape(-1, 4)
+    grid = grid[np.prod(grid, axis=1) <= tiles]
+    return grid[:, 0], grid[:, 1], grid[:, 2], grid[:, 3]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_candidate_splits_built_a_split_at_a_time_equal_the_filtered_grid(seed):
+    from poptorchsim.estimate import conv_plan
+    rng = np.random.default_rng(seed)
+    for _ in range(30):
+        c = SimpleNamespace(groups=int(rng.integers(1, 130)), rows=int(rng.integers(1, 200)),
+                            cols=int(rng.integers(1, 50)), cin=int(rng.integers(1, 5000)),
+                            cout=int(rng.integers(1, 5000)))
+        tiles = int(rng.choice([1, 2, 7, 1216, 1472]))
+        got, expected = conv_plan._candidates(c, tiles), _candidates_by_meshgrid(c, tiles)
+        for x, y in zip(got, expected):
+            assert x.dtype == y.dtype and np.array_equal(x, y)
