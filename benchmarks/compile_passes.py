@@ -45,6 +45,16 @@ def cold_fake_cache():
         clear()
 
 
+def cold_plan_caches():
+    """Empties poptorchsim's caches kept per shape (matmul and convolution
+    plans, tile spreads), so that a compile of a model compiled before in
+    the process plans again, as its first compile did."""
+    from poptorchsim.estimate import conv_plan
+    from poptorchsim.passes import tile_mapping
+    for cached in (conv_plan.plan, tile_mapping._spread, tile_mapping._most):
+        cached.cache_clear()
+
+
 def make_fx_seconds(module, batch):
     """Seconds PyTorch's own tracing takes for ``module``'s training step,
     the floor of any trace-based compile: ``make_fx`` (fake tensors) of the
