@@ -239,32 +239,45 @@ def _usage_peak(live, buffers, scale, tiles, temps, block=256):
         peak[better], at[better] = high[better], np.asarray(ops)[where[better]]
         ops.clear()
 
-    covered = 0                       # the ops before it are in a row of chunk
+    # With no temporary bytes below zero, a row that cannot top the last row
+    # taken is left out: a run of the running sum after an op (at most that
+    # op's row, which adds its temporary bytes to it) and an op where buffers
+    # only end.  Neither can hold a tile's peak before the row taken does.
+    falls_short = isinstance(extra, dict) and all((r >= 0).all() for r in extra.values())
+    taken = False                     # a row is in (or was in) chunk
+    covered = 0                       # the ops before it are accounted for
     for k in visited:
-        if k > covered:               # ops covered..k-1: the running sum
+        if k > covered and not (falls_short and taken):   # ops covered..k-1: the sum
             chunk[len(ops)] = current
             ops.append(covered)
+            taken = True
             if len(ops) == len(chunk):
                 reduce()
+        rising = False
         for slices, sign in changes.get(k, ()):
             for lo, hi, values in slices:
                 if sign > 0:
                     current[lo:hi] += values
+                    rising = True
                 else:
                     current[lo:hi] -= values
         change = delta.get(k)
         if change is not None:
             np.add(current, change, out=current)
+            rising = True
         row = rows(k)
+        covered = k + 1
+        if row is None and not rising and falls_short and taken:
+            continue
         if row is None:
             chunk[len(ops)] = current
         else:
             np.add(current, row, out=chunk[len(ops)])
         ops.append(k)
+        taken = True
         if len(ops) == len(chunk):
             reduce()
-        covered = k + 1
-    if covered < n_ops:
+    if covered < n_ops and not (falls_short and taken):
         chunk[len(ops)] = current
         ops.append(covered)
     if ops:
