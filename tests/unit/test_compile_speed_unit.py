@@ -1,10 +1,12 @@
-"""The compile path's fast forms against the plain ones they replaced (issue
-22: compile time linear and small).  Each must give the same result, bit for
-bit: memory per tile swept over the ops against the dense product of a
-liveness matrix and the buffers' bytes, Standard recomputation's running sum
-against a live set per op, the optimizer update stitched from one trace per
-kind of parameter against one trace per layout followed by torch.fx's CSE
-pass, and argument walks against pytree."""
+"""The compile path's fast forms against the plain ones they replaced (issues
+22 and 33: compile time linear and small).  Each must give the same result,
+bit for bit: memory per tile swept over the ops (and its peak, visiting only
+the ops where it can rise) against the dense product of a liveness matrix
+and the buffers' bytes, Standard recomputation's running sum against a live
+set per op, the optimizer update's IR copied from one lowered trace per kind
+of parameter against the lowered graph of one trace per layout followed by
+torch.fx's CSE pass, the plan search's candidate splits against the filtered
+grid, and argument walks against pytree."""
 import dataclasses
 import gc
 import random
