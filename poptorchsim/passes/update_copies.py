@@ -213,21 +213,12 @@ class _Rule:
                          _at(t.shape, traced, shape), t.dtype, Role.ACTIVATION, new)
             new.outputs.append(out)
             mine[t] = out
-        if op.traced_layout is not None:
-            first, ours = op.input_tensors()[0], new.input_tensors()[0]
-            if ours.shape != first.shape:        # made at the parameter's shape: contiguous
-                new.traced_layout = (ours.shape, _contiguous(ours.shape), 0)
+        # (an op with a traced layout, as_strided, takes sizes: its rule is not
+        # shape-free, so it is copied only at the shape it was traced at, and the
+        # layout copied with its fields holds)
         ops.append(new)
         if key is not None and key not in merged.seen:
             merged.seen[key] = (new, token)
-
-
-def _contiguous(shape):
-    strides, step = [], 1
-    for s in reversed(shape):
-        strides.append(step)
-        step *= max(int(s), 1)
-    return tuple(reversed(strides))
 
 
 def _substitute(x, mine):
