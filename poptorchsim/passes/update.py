@@ -2,6 +2,7 @@
 (``capture/update_rules.py``) over the trainable parameters, lowered, with the
 host's scalar arithmetic marked; its sharding over replicas and the
 loss-scale update automatic loss scaling adds to it."""
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -13,7 +14,7 @@ from . import locations as tensor_locations
 from . import optimizer_state as opt_layout
 from .host_scalars import mark_host_scalars
 from .lower import lower, mark_role
-from .update_copies import lower_copies
+from .update_copies import lower_copies, reshaped
 
 
 def update_plan(optimizer, ga, running_mean=False, auto_loss_scaling=False):
@@ -38,6 +39,8 @@ class UpdateGraph:
     slots: list
     layouts: list
     traces: Optional[dict] = None   # the rules traced per parameter layout (capture_update)
+    copies: Optional[RuleCopies] = None     # the rules copied per parameter, if copied
+    took: Optional[dict] = None     # tensor id -> the parameter whose shape it takes (copies)
 
 
 def build_update(model, optimizer, capture, plan, shards=None, unit_scale=False, traces=None):
@@ -50,6 +53,34 @@ def build_update(model, optimizer, capture, plan, shards=None, unit_scale=False,
     of the same optimizer (``UpdateGraph.traces``)."""
     shards = shards or {}
     traces = {} if traces is None else traces
+    layouts, slots, group_of = _layouts(model, optimizer, capture, plan, shards)
+    names = capture.trainable_names
+    n_groups = len(optimizer.param_groups)
+    update_fx = capture_update(plan, layouts, n_groups, unit_scale, traces)
+    grad = "velocity" if plan.into_state else "grad"     # SGD1: the combined tensor
+    roles = ([(n, "param") for n in names] + [(f"{grad}/{n}", "accumulator") for n in names]
+             + [(f"{s.name}/{n}", "state") for n, (read, _) in zip(names, slots)
+                for s in read]
+             + [(f"step/{n}", "state") for n in names]
+             + [(f"hyper/{g}/{h}", "hyper") for g in range(n_groups) for h in plan.hyper]
+             + [(f"hyper/{h}", "hyper") for h in plan.globals]
+             + [("grad_scale", "hyper")])
+    took: Optional[dict] = {} if isinstance(update_fx, RuleCopies) else None
+    graph = (lower_copies(update_fx, "optimizer_update", roles, took)
+             if isinstance(update_fx, RuleCopies) else lower(update_fx, "optimizer_update", roles))
+    graph = mark_role(graph, "grad_scale", "gradient unscale")
+    # bias corrections, lr / bias_correction, the step count: the host's work
+    graph = mark_host_scalars(graph, counters=[f"step/{n}" for n in names])
+    graph.outputs_overwrite_inputs = True     # variables are updated in place
+    return UpdateGraph(graph, group_of, [plan.group_flags(g) for g in range(n_groups)],
+                       slots, layouts, traces,
+                       update_fx if isinstance(update_fx, RuleCopies) else None, took)
+
+
+def _layouts(model, optimizer, capture, plan, shards):
+    """(layouts, slots, group_of) of the trainable parameters: a
+    ``ParamUpdate`` per parameter (a sharded one's a flat shard), its
+    (read, written) optimizer state slots, its param group."""
     group_index = {}
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
@@ -67,24 +98,7 @@ def build_update(model, optimizer, capture, plan, shards=None, unit_scale=False,
             shape, p.dtype, opt_layout.grad_dtype(plan, p.dtype), grp,
             tuple((s.name, opt_layout.slot_dtype(plan, s, p.dtype)) for s in read),
             tuple((s.name, opt_layout.slot_dtype(plan, s, p.dtype)) for s in written)))
-    n_groups = len(optimizer.param_groups)
-    update_fx = capture_update(plan, layouts, n_groups, unit_scale, traces)
-    grad = "velocity" if plan.into_state else "grad"     # SGD1: the combined tensor
-    roles = ([(n, "param") for n in names] + [(f"{grad}/{n}", "accumulator") for n in names]
-             + [(f"{s.name}/{n}", "state") for n, (read, _) in zip(names, slots)
-                for s in read]
-             + [(f"step/{n}", "state") for n in names]
-             + [(f"hyper/{g}/{h}", "hyper") for g in range(n_groups) for h in plan.hyper]
-             + [(f"hyper/{h}", "hyper") for h in plan.globals]
-             + [("grad_scale", "hyper")])
-    graph = (lower_copies(update_fx, "optimizer_update", roles)
-             if isinstance(update_fx, RuleCopies) else lower(update_fx, "optimizer_update", roles))
-    graph = mark_role(graph, "grad_scale", "gradient unscale")
-    # bias corrections, lr / bias_correction, the step count: the host's work
-    graph = mark_host_scalars(graph, counters=[f"step/{n}" for n in names])
-    graph.outputs_overwrite_inputs = True     # variables are updated in place
-    return UpdateGraph(graph, group_of, [plan.group_flags(g) for g in range(n_groups)],
-                       slots, layouts, traces)
+    return layouts, slots, group_of
 
 
 def numeric_update(model, optimizer, capture, plan, shards, update, unit_scale):
@@ -96,7 +110,36 @@ def numeric_update(model, optimizer, capture, plan, shards, update, unit_scale):
     gives those values."""
     if not shards or plan.kind != "lamb":
         return update, shards
+    whole = _reshaped(model, optimizer, capture, plan, update, unit_scale)
+    if whole is not None:
+        return whole, {}
     return build_update(model, optimizer, capture, plan, None, unit_scale, update.traces), {}
+
+
+def _reshaped(model, optimizer, capture, plan, update, unit_scale):
+    """The update over whole weights as the sharded ``update`` with its
+    parameters' tensors at their whole shapes (``update_copies.reshaped``):
+    where both are copies of the same rules, at shapes that are each a
+    shape another's rule may stand for (not 0-d, more than one element, so
+    that no scalar work or cast changes).  None elsewhere."""
+    if update.copies is None or update.took is None:
+        return None
+    layouts, slots, group_of = _layouts(model, optimizer, capture, plan, {})
+    copies = capture_update(plan, layouts, len(optimizer.param_groups), unit_scale,
+                            update.traces)
+    if not isinstance(copies, RuleCopies) or len(copies.rules) != len(update.copies.rules):
+        return None
+    for (sub, traced), (their_sub, their_traced), ours, theirs in zip(
+            copies.rules, update.copies.rules, layouts, update.layouts):
+        if sub is not their_sub or tuple(traced) != tuple(their_traced):
+            return None
+        if ours.shape != theirs.shape and not (
+                len(ours.shape) and len(theirs.shape)
+                and math.prod(ours.shape) > 1 and math.prod(theirs.shape) > 1):
+            return None
+    graph = reshaped(update.graph, update.took, [layout.shape for layout in layouts])
+    return UpdateGraph(graph, group_of, update.flags, slots, layouts, update.traces, copies,
+                       update.took)
 
 
 def sharded_state(model, optimizer, capture, settings, replicas, plan=None):

@@ -23,6 +23,7 @@ update and the whole-weight one for the numerics) and lowering them took
 """
 import itertools
 import operator
+from typing import Optional
 
 import torch
 import torch.utils._pytree as pytree
@@ -33,6 +34,7 @@ from ..capture.update_capture import GraphOnly, RuleCopies
 from ..ir.graph import Graph, Op, Tensor
 from ..ir.kinds import Role
 from ..ir.ops import cost_class, is_inplace
+from ..ir.verify import verify_graph
 from .lower import finish, lower
 
 aten = torch.ops.aten
@@ -43,9 +45,11 @@ _FLAT = (Tensor, bool, int, float, str, type(None), torch.dtype, torch.device, t
          torch.memory_format)    # arguments that are leaves
 
 
-def lower_copies(copies: RuleCopies, name, roles) -> Graph:
+def lower_copies(copies: RuleCopies, name, roles, took: Optional[dict] = None) -> Graph:
     """The IR graph of the update ``copies`` describes; ``roles[i]`` = (name,
-    role) of input ``i``, in ``capture_update``'s input order."""
+    role) of input ``i``, in ``capture_update``'s input order.  ``took``, if
+    given, is filled with {tensor id: parameter index} for the tensors that
+    take their parameter's shape (``reshaped`` lays them out at others)."""
     layouts, n_h = copies.layouts, copies.n_hyper
     n = len(layouts)
     names = _Namespace()            # the copies' graph names every node it copies ...
@@ -80,25 +84,29 @@ def lower_copies(copies: RuleCopies, name, roles) -> Graph:
     # the inputs' shapes: the first rule that reads one gives it (at its parameter's shape)
     values: list = [None] * len(roles)
     for i, (sub, traced) in enumerate(copies.rules):
-        rule, shape = rules[id(sub)], layouts[i].shape
+        rule, shape, traced = rules[id(sub)], layouts[i].shape, tuple(traced)
         for k, t in zip(inputs_of(i), rule.graph.inputs):
             if values[k] is None:
-                values[k] = (_at(t.shape, traced, shape), t.dtype)
+                values[k] = (_at(t.shape, traced, shape), t.dtype, i if t.shape == traced else None)
     graph = Graph(name)
+    owner: dict = {}                # tensor -> the parameter whose shape it takes
     for (tname, role), value in zip(roles, values):
-        shape, dtype = value if value is not None else ((), torch.float64)  # an unused group's
-        graph.inputs.append(graph.new_tensor(tname, shape, dtype, role))
+        shape, dtype, i = value if value is not None else ((), torch.float64, None)  # an unused
+        graph.inputs.append(graph.new_tensor(tname, shape, dtype, role))    # group's
+        if i is not None:
+            owner[graph.inputs[-1]] = i
     ops: list = []
     merged = _Merged()
     outputs = []
     for i, (sub, traced) in enumerate(copies.rules):
-        rule = rules[id(sub)]
+        rule, traced = rules[id(sub)], tuple(traced)
         mine = dict(zip(rule.graph.inputs, (graph.inputs[k] for k in inputs_of(i))))
         for node_name, op in rule.nodes:
             new_name = names.create_name(node_name, None)
             if op is None:              # a getitem or a node lowering drops: no op
                 continue
-            rule.copy(op, new_name, mine, traced, layouts[i].shape, merged, ops, made)
+            rule.copy(op, new_name, mine, traced, layouts[i].shape, merged, ops, made,
+                      owner, i)
         outputs.append([mine[t] for t in rule.graph.outputs])
     # (new params, new state, new steps), flattened
     flat = ([outs[0] for outs in outputs]
@@ -112,7 +120,47 @@ def lower_copies(copies: RuleCopies, name, roles) -> Graph:
     for k, op in enumerate(graph.ops):
         op.id = k
     graph.outputs = flat
+    if took is not None:
+        took.update((t.id, i) for t, i in owner.items())
     return finish(graph)
+
+
+def reshaped(graph: Graph, took: dict, shapes: list) -> Graph:
+    """``graph`` (from ``lower_copies``, its ops marked) with the tensors of
+    ``took`` at ``shapes[their parameter]``: what ``lower_copies`` gives for
+    the same rules at those shapes, op for op, name for name, without copying
+    the rules again (the whole-weight update of a sharded one, for its
+    numerics).  The caller checks the rules are the same and that no shape
+    changes a scalar's or a 0-d tensor's part (the marks are kept)."""
+    new_graph = object.__new__(Graph)
+    new_graph.__dict__.update(graph.__dict__)
+    tensors: dict = {}
+    for t in graph.tensors:
+        c = object.__new__(Tensor)
+        c.__dict__.update(t.__dict__)
+        i = took.get(t.id)
+        if i is not None:
+            c.shape = tuple(shapes[i])
+        tensors[t] = c
+    ops = []
+    for op in graph.ops:
+        new = object.__new__(Op)
+        new.__dict__.update(op.__dict__)
+        new.args = _substitute(op.args, tensors)
+        new.kwargs = _substitute(op.kwargs, tensors)
+        new.attrs = dict(op.attrs)
+        new._inputs = None
+        new.outputs = [None if t is None else tensors[t] for t in op.outputs]
+        for t in new.outputs:
+            if t is not None:
+                t.producer = new
+        ops.append(new)
+    new_graph.inputs = [tensors[t] for t in graph.inputs]
+    new_graph.tensors = [tensors[t] for t in graph.tensors]
+    new_graph.ops = ops
+    new_graph.outputs = [tensors[t] for t in graph.outputs]
+    new_graph.input_writes = list(graph.input_writes)
+    return verify_graph(new_graph)
 
 
 def _at(shape, traced, ours):
@@ -172,9 +220,10 @@ class _Rule:
         if next(ops, None) is not None:
             raise AssertionError("a rule's op without a node")
 
-    def copy(self, op, name, mine, traced, shape, merged, ops, made):
-        """Copies ``op`` for a parameter of ``shape`` (``mine``: this rule's
-        tensors -> the parameter's), unless an earlier op computes the same."""
+    def copy(self, op, name, mine, traced, shape, merged, ops, made, owner, i):
+        """Copies ``op`` for parameter ``i`` of ``shape`` (``mine``: this rule's
+        tensors -> the parameter's), unless an earlier op computes the same;
+        ``owner``: tensor -> ``i`` for the outputs that take its shape."""
         prefix, args, args_spec, kwargs, kwargs_spec, flat, plain = self.spec[op]
         key = token = None
         target = op.target
@@ -211,6 +260,8 @@ class _Rule:
                 continue
             out = Tensor(0, f"{new.name}_{k}" if op.multi_output else new.name,
                          _at(t.shape, traced, shape), t.dtype, Role.ACTIVATION, new)
+            if t.shape == traced:
+                owner[out] = i
             new.outputs.append(out)
             mine[t] = out
         # (an op with a traced layout, as_strided, takes sizes: its rule is not

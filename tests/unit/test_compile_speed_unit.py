@@ -5,7 +5,8 @@ the ops where it can rise) against the dense product of a liveness matrix
 and the buffers' bytes, Standard recomputation's running sum against a live
 set per op, the optimizer update's IR copied from one lowered trace per kind
 of parameter against the lowered graph of one trace per layout followed by
-torch.fx's CSE pass, the plan search's candidate splits against the filtered
+torch.fx's CSE pass (and LAMB's whole-weight update laid out from its sharded
+one against one built), the plan search's candidate splits against the filtered
 grid, and argument walks against pytree."""
 import dataclasses
 import gc
@@ -338,6 +339,38 @@ def test_a_rule_with_a_multi_output_op_is_copied_at_every_shape(monkeypatch):
                                                                [(3, 4)] * 2]
     plain = _update_by_layout(plan, layouts, 1, False)
     assert _described(graph) == _described(_lowered(plain, layouts, 1, plan))
+
+
+@pytest.mark.parametrize("tiny", [False, True])
+def test_whole_weight_update_reshaped_from_the_sharded_one_equals_one_built(tiny):
+    """LAMB's whole-weight update (its numerics) made from the sharded one by
+    laying its tensors out at whole shapes equals the update built over
+    whole weights, field for field and mark for mark; a shard of one element
+    (``tiny``: a bias of 3 over 4 replicas) is built instead."""
+    import poptorchsim
+    from poptorchsim.passes.update import build_update, numeric_update, update_plan
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8),
+                                torch.nn.Linear(8, 3, bias=tiny))
+    params = list(model.parameters())
+    opt = poptorchsim.optim.LAMB([{"params": params[:3]}, {"params": params[3:],
+                                                           "weight_decay": 0.0}], lr=1e-3)
+    names = [n for n, _ in model.named_parameters()]
+    capture = SimpleNamespace(trainable_names=names)
+    _, plan = update_plan(opt, 2)
+    shards = {n: 4 for n, p in model.named_parameters() if p.dim() == 2 or tiny}
+    sharded = build_update(model, opt, capture, plan, shards)
+    whole, now_sharded = numeric_update(model, opt, capture, plan, shards, sharded, False)
+    built = build_update(model, opt, capture, plan, None, False, sharded.traces)
+    assert now_sharded == {} and (whole.took is sharded.took) is not tiny
+
+    def marked(graph):
+        return _described(graph), [(op.host_scalar, op.role) for op in graph.ops], \
+            graph.outputs_overwrite_inputs
+    assert marked(whole.graph) == marked(built.graph)
+    assert marked(whole.graph) != marked(sharded.graph)
+    assert (whole.layouts, whole.slots, whole.group_of, whole.flags) == \
+        (built.layouts, built.slots, built.group_of, built.flags)
 
 
 # -- argument walks against pytree ---------------------------------------------------------------
