@@ -157,12 +157,14 @@ def test_fp16_with_dropout_and_stochastic_rounding_batches_bit_for_bit():
 def test_half_partials_batch_bit_for_bit():
     """fp16 partial sums (their kernels write into buffers of their own, so
     they carry a vmap rule: the micro-batches as a leading dimension) with
-    dropout and stochastic rounding: batched equals serial bit for bit."""
+    dropout and stochastic rounding: batched equals serial bit for bit, and
+    the gradient watch counts the same (the fp32 products it compares the
+    fp16 partial sums with made for the counted micro-batch alone)."""
     def configure(o):
         o.Precision.enableStochasticRounding(True)
         o.Precision.setPartialsType(torch.half)
-    _, serial_outs, serial_weights, _ = _train(False, nn.Dropout(0.3), configure=configure,
-                                               dtype=torch.float16)
+    serial, serial_outs, serial_weights, _ = _train(False, nn.Dropout(0.3), configure=configure,
+                                                    dtype=torch.float16)
     tm, outs, weights, calls = _train(True, nn.Dropout(0.3), configure=configure,
                                       dtype=torch.float16)
     step = tm.getIR().graphs["training_step"]
@@ -171,6 +173,10 @@ def test_half_partials_batch_bit_for_bit():
     for a, b in zip(serial_outs, outs):
         assert _identical(a, b)
     assert _identical(serial_weights, weights)
+    s_watch, b_watch = serial._compiled.watch, tm._compiled.watch
+    half = {op.name for op in step.ops if op.partials == "half" and op.watched}
+    assert half & set(b_watch.per_op) and b_watch.values == s_watch.values > 0
+    assert b_watch.per_op == s_watch.per_op
 
 
 def test_random_streams_repeat_from_the_seed_and_differ_between_seeds():

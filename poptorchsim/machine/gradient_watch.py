@@ -109,12 +109,21 @@ class GradientWatch:
         def run(*args, **kwargs):
             if (same or exact) and not self.counting:   # half partials: the reference
                 return kernel(*args, **kwargs)          # only serves the counting
+            if exact:
+                # the counted row's reference only: in a batched call the other
+                # micro-batches' fp32 products would be made for nothing
+                out = kernel(*args, **kwargs)
+                if not self._counts(op.name):
+                    return out
+                first = [_row_zero(a) for a in args]
+                wide = reference(*[a.float() if isinstance(a, torch.Tensor) and a.dtype == HALF
+                                   else widen_all(a) for a in first],
+                                 **{k: widen_all(_row_zero(v)) for k, v in kwargs.items()})
+                return counted(args, kwargs, out, wide)
             wide = reference(*[a.float() if isinstance(a, torch.Tensor) and a.dtype == HALF
                                else widen_all(a) for a in args],
                              **({k: widen_all(v) for k, v in kwargs.items()} if kwargs else {}))
-            if exact:
-                out = kernel(*args, **kwargs)
-            elif to_half and isinstance(wide, torch.Tensor):
+            if to_half and isinstance(wide, torch.Tensor):
                 out = wide.to(HALF)
             elif single and isinstance(wide, torch.Tensor):
                 out = narrow(wide, dtypes[0])

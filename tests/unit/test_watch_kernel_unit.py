@@ -60,3 +60,29 @@ def test_the_pytorch_form_runs_where_the_compiled_one_does_not_apply():
     wide = _wide(64, 0, None)
     assert watch_kernel.counts(wide.half(), wide.double()) is None      # an fp64 reference
     assert watch_kernel.counts(wide.half()[:32], wide) is None          # shapes differ
+
+
+def test_a_counted_half_partials_op_compares_its_first_micro_batch_alone():
+    """A half-partials op the watch counts, in a batched call (vmapped over
+    three micro-batches): it returns its kernel's results for every
+    micro-batch and counts the first one's against that micro-batch's fp32
+    product, value by value, made for it alone."""
+    from poptorchsim.ir.graph import Op, Tensor
+    from poptorchsim.machine.half_partials import half_partials_kernel
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+    # rows of products whose fp16 partial sums underflow, rows of ordinary ones
+    a = (torch.randn(3, 8, 300, generator=g)
+         * torch.exp2(torch.randint(-24, 4, (3, 8, 1), generator=g).float())).half()
+    b = (torch.randn(300, 5, generator=g) * 2.0 ** -12).half()
+    ins = (Tensor(0, "a", (8, 300), torch.float16), Tensor(1, "b", (300, 5), torch.float16))
+    op = Op(0, "mm", aten.mm.default, ins, {}, [Tensor(2, "mm", (8, 5), torch.float16)],
+            "matmul", partials="half")
+    kernel = half_partials_kernel(aten.mm.default)
+    watch = GradientWatch()
+    out = torch.func.vmap(watch.wrap(op, kernel, aten.mm.default), in_dims=(0, None))(a, b)
+    assert torch.equal(out, torch.stack([kernel(x, b) for x in a]))
+    alone = GradientWatch()
+    alone._count_values("mm", kernel(a[0], b), a[0].float() @ b.float())
+    assert watch.per_op == alone.per_op and watch.values == 40
+    assert watch.underflowed > 0
