@@ -51,7 +51,9 @@ class GradientWatch:
     ``skip`` leaves a call uncounted (the runtime counts about one
     micro-batch in 16: the counting costs about one fp32 step).  An op
     with half partials runs its own kernel and is compared with the fp32
-    one, value by value."""
+    one, value by value; an op whose kernel gives the rounded fp32 values
+    (``ROUNDS_LIKE_FP32``, rounding to nearest) runs its kernel too; both
+    make the fp32 result for the counted micro-batch alone."""
 
     def __init__(self):
         self.reset()
@@ -101,19 +103,19 @@ class GradientWatch:
 
         single = len(dtypes) == 1
         to_half = single and dtypes[0] == HALF and not stochastic
-        # between counted micro-batches, a kernel giving the same values
-        # as the rounded fp32 one runs as is (natively, or already in fp32)
+        # a kernel giving the same values as the rounded fp32 one runs as
+        # is (natively, or already in fp32; tests/unit/test_fp16_kernels_unit.py)
         same = not stochastic and not exact and (
             op.target in ROUNDS_LIKE_FP32 or (op.target in SLOW_IN_HALF and HALF in dtypes))
 
         def run(*args, **kwargs):
-            if (same or exact) and not self.counting:   # half partials: the reference
-                return kernel(*args, **kwargs)          # only serves the counting
-            if exact:
-                # the counted row's reference only: in a batched call the other
-                # micro-batches' fp32 products would be made for nothing
+            if same or exact:
+                # the kernel's results are the op's (half partials), or the
+                # rounded fp32 ones (``same``): the fp32 reference only serves
+                # the counting, of the counted row alone (in a batched call the
+                # other micro-batches' would be made for nothing)
                 out = kernel(*args, **kwargs)
-                if not self._counts(op.name):
+                if not self.counting or not self._counts(op.name):
                     return out
                 first = [_row_zero(a) for a in args]
                 wide = reference(*[a.float() if isinstance(a, torch.Tensor) and a.dtype == HALF

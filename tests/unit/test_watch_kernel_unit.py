@@ -86,3 +86,25 @@ def test_a_counted_half_partials_op_compares_its_first_micro_batch_alone():
     alone._count_values("mm", kernel(a[0], b), a[0].float() @ b.float())
     assert watch.per_op == alone.per_op and watch.values == 40
     assert watch.underflowed > 0
+
+
+def test_a_counted_op_that_rounds_like_fp32_runs_its_kernel_and_counts_its_first_row():
+    """An op whose fp16 kernel gives the rounded fp32 values (a product,
+    rounding to nearest), counted in a batched call: it returns its kernel's
+    results (the values a call not counted gives) and counts the first
+    micro-batch against its fp32 product, made for it alone."""
+    from poptorchsim.ir.graph import Op, Tensor
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(3, 64, generator=g) * 2.0 ** -12).half()
+    b = (torch.randn(3, 64, generator=g) * 2.0 ** -12).half()     # products underflow
+    ins = (Tensor(0, "a", (64,), torch.float16), Tensor(1, "b", (64,), torch.float16))
+    op = Op(0, "mul", aten.mul.Tensor, ins, {}, [Tensor(2, "mul", (64,), torch.float16)],
+            "elementwise")
+    kernel = aten.mul.Tensor
+    watch = GradientWatch()
+    out = torch.func.vmap(watch.wrap(op, kernel, kernel))(a, b)
+    assert torch.equal(out, a * b)
+    alone = GradientWatch()
+    alone._count_rounded("mul", a[0] * b[0], a[0].float() * b[0].float())
+    assert watch.per_op == alone.per_op and watch.values == 64 and watch.underflowed > 0
