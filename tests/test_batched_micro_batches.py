@@ -49,6 +49,7 @@ def _train(batched, extra=None, calls=2, configure=None, dtype=torch.float32,
             calls_made.append(len(a[1][0]))
             return fn(*a)
         counted.tail, counted.n_boundary = fn.tail, fn.n_boundary
+        counted.wide_outputs = fn.wide_outputs
         tm._engine.batch_fn = counted
     outs = [tm(x, y) for _ in range(calls)]
     return tm, outs, [p.detach().clone() for p in net.parameters()], calls_made
@@ -133,16 +134,24 @@ def test_dropout_batches_with_the_serial_order_masks():
     assert not torch.equal(logits[0], logits[1])
 
 
-def test_fp16_with_dropout_and_stochastic_rounding_batches_bit_for_bit():
+@pytest.mark.parametrize("accumulators", [None, torch.float16])
+def test_fp16_with_dropout_and_stochastic_rounding_batches_bit_for_bit(accumulators):
     """An fp16 program with dropout and stochastic rounding: its micro-batches
     batch, and give the serial order's results bit for bit (every random
     number is keyed by micro-batch and op, not drawn in order).  The call
     the gradient watch counts batches too (the watch counts its first row),
-    with the serial order's numbers."""
+    with the serial order's numbers.  With fp32 gradient accumulators (the
+    default for fp16 weights), the batched call returns the fp16 gradients
+    it holds in fp32 as they are (wide values), where the serial order
+    casts them to fp32; with fp16 ones, as fp16."""
     sr = lambda o: o.Precision.enableStochasticRounding(True)     # noqa: E731 - a one-line helper
+    make = None if accumulators is None else (lambda params: poptorch.optim.SGD(
+        params, lr=0.1, momentum=0.9, accum_type=accumulators))
     serial, serial_outs, serial_weights, _ = _train(False, nn.Dropout(0.3), configure=sr,
-                                                    dtype=torch.float16)
-    tm, outs, weights, calls = _train(True, nn.Dropout(0.3), configure=sr, dtype=torch.float16)
+                                                    dtype=torch.float16, optimizer=make)
+    tm, outs, weights, calls = _train(True, nn.Dropout(0.3), configure=sr, dtype=torch.float16,
+                                      optimizer=make)
+    assert len(tm._engine.batch_fn.wide_outputs) == (4 if accumulators is None else 0)
     assert serial_reason(tm.getIR().graphs["training_step"]) is None
     assert calls == [GA * RF] * (DI * 2)           # every micro-batch batched, counted too
     assert tm._engine.batch_fn is not None          # no fallback to the serial order

@@ -366,7 +366,7 @@ class _WeightGrad:
         return tuple(o.to(d) if o is not None else None for o, d in zip(out, self.dtypes))
 
 
-def batched_graph(graph, summed=None, per_row=False):
+def batched_graph(graph, summed=None, per_row=False, wide=frozenset()):
     """``f(shared, batched, extra, keys) -> outputs stacked along a new first
     dim``: ``graph`` run once per row of the ``batched`` inputs
     (``torch.func.vmap`` over the graph's function, compiled without
@@ -379,7 +379,11 @@ def batched_graph(graph, summed=None, per_row=False):
     rows (the gradients); of those, convolution weight gradients come back
     already summed, as one row (``_summed_weight_grads``), or with
     ``per_row`` one row per micro-batch, made by one product after the
-    batched call rather than per row inside it (``_WeightGrad``).
+    batched call rather than per row inside it (``_WeightGrad``).  ``wide``:
+    ids of the outputs the caller casts to fp32 (fp16 gradients into fp32
+    accumulators), returned as wide values where the step holds them so
+    (``codegen.compile_graph``'s ``wide_outputs``: no narrowing to fp16 to
+    be widened again).
 
     For a step that writes its buffers, ``f`` runs the head of its
     ``buffer_split`` (its outputs end with the boundary values, one row per
@@ -391,7 +395,10 @@ def batched_graph(graph, summed=None, per_row=False):
         summed = None       # each gradient rounds stochastically in its own op, as serially
     head, deferred, slots = _defer_weight_grads(_batch_norm_by_rows(head), summed)
     n_head = len(head.outputs) - 2 * len(deferred)
-    fn = compile_graph(head, in_place=False)
+    once = Counter(t.id for t in head.outputs)      # (an output also read by the tail: fp16)
+    wide_outputs = frozenset(k for k, t in enumerate(head.outputs)
+                             if t.id in wide and once[t.id] == 1)
+    fn = compile_graph(head, in_place=False, wide_outputs=wide_outputs)
     position = {t.id: k for k, t in enumerate(graph.inputs)}
     weight_grads = [_WeightGrad(op, per_row) for op in deferred]
 
@@ -426,4 +433,5 @@ def batched_graph(graph, summed=None, per_row=False):
     batched.tail = compile_graph(split.tail) if split else None
     batched.n_boundary = len(split.boundary) if split else 0
     batched.deferred = len(deferred)
+    batched.wide_outputs = wide_outputs
     return batched

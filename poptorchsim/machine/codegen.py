@@ -103,7 +103,7 @@ def _narrow(x):
 
 
 def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=None,
-                  in_place=True, streams=None, traced_dtypes=None):
+                  in_place=True, streams=None, traced_dtypes=None, wide_outputs=frozenset()):
     """A Python function ``f(list_of_inputs) -> list_of_outputs`` for ``graph``.
 
     Its ``branches`` attribute maps each conditional op's name (in sub-graphs
@@ -132,7 +132,9 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
     (``precision.takes_wide``) take them as they are: no fp16 tensor is
     made and widened again between them (in a GPT-2 step, 250 million
     values a call).  Every other op, and the graph's outputs, get fp16
-    (``_narrow``).  The values are those of the fp16 program, bit for bit
+    (``_narrow``), but the outputs at the positions ``wide_outputs``, which
+    the caller casts to fp32 (fp16 gradients into fp32 accumulators).  The
+    values are those of the fp16 program, bit for bit
     (``tests/test_wide_values.py``)."""
     branches = {} if branches is None else branches
     if fp_checks is None:
@@ -264,8 +266,11 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
         lines.append(line)
         if dead:
             lines.append("    del " + ", ".join(sorted(dead)))
-    takes[0] = False        # the graph's outputs: fp16 as fp16
-    lines.append("    return [" + ", ".join(render(t) for t in graph.outputs) + "]")
+    returned = []
+    for k, t in enumerate(graph.outputs):    # the graph's outputs: fp16 as fp16
+        takes[0] = k in wide_outputs
+        returned.append(render(t))
+    lines.append("    return [" + ", ".join(returned) + "]")
     source = "\n".join(lines)
     device = host_device.current()
     if device.type != "cpu":

@@ -79,4 +79,7 @@ def configure_batching(engine, compiled, training, tapped):
     stop = len(step.outputs) - sum(t.role == "buffer" for t in step.inputs)
     grads = step.outputs[stop - len(c.capture.trainable_names):stop]
     plain = e.accumulation is None and all(t.dtype == torch.float32 for t in grads)
-    e.batch_fn = batched_graph(step, (stop - len(grads), stop), per_row=not plain)
+    acc = e.accumulation
+    wide = frozenset() if acc is None or acc.running or acc.into else frozenset(
+        t.id for t, d in zip(grads, acc.dtypes) if t.dtype == torch.float16 and d == torch.float32)
+    e.batch_fn = batched_graph(step, (stop - len(grads), stop), per_row=not plain, wide=wide)
