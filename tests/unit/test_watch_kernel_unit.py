@@ -2,7 +2,8 @@
 the PyTorch form's counts exactly, and its magnitudes to fp32 summation
 order, on results that stress them: zeros of both signs, values that
 underflow in fp16, subnormals, values past fp16's largest, infinities and
-NaNs, fp16 results and their values held in fp32 (wide values)."""
+NaNs, fp16 results and their values held in fp32 (wide values); and the
+watch, counting a batched call, compares the first micro-batch alone."""
 import pytest
 import torch
 
