@@ -106,6 +106,9 @@ class Op:
     partials: str = "float"           # "half": fp16 partials of a matmul or conv (precision)
     plan: str = ""                    # a conv's or matmul's Poplar-style plan, per pass
                                       # (estimate/conv_plan.py; set with the op costs)
+    rule_copy: int = -1               # the parameter whose copy of the optimizer's rule
+                                      # made it (passes/update_copies.py; -1: none): the
+                                      # code generator compiles each distinct copy once
     # input_tensors' answer for the args and kwargs objects it was found in
     _inputs: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
 

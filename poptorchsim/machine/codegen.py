@@ -5,6 +5,7 @@ every op in order (the way ``torch.fx`` generates code), so a step costs no
 interpretation.  The engine (``engine.py``) calls these functions as it
 walks the program's control steps.
 """
+import functools
 import math
 from collections import Counter
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 
 from ..ir.graph import Tensor
-from . import host_device
+from . import host_device, segments
 from .fp_checks import checked, make_check
 from .kernels import as_strided, kernel_for
 from .precision import HALF, host_kernel, takes_wide
@@ -50,12 +51,11 @@ def _in_place(graph):
         if op.cost_class not in ("elementwise", "transcendental") or op.multi_output \
                 or op.inplace or not op.outputs or op.outputs[0] is None:
             continue
-        name = op.target.overloadpacket.__name__
-        kernel = getattr(getattr(aten, name + "_", None), op.target._overloadname, None)
+        kernel, positions = _in_place_form(op.target)
         if kernel is None:
             continue
         out = op.outputs[0]
-        for pos in ((0, 1) if name in _COMMUTATIVE else (0,))[:len(op.args)]:
+        for pos in positions[:len(op.args)]:
             a = op.args[pos]
             if isinstance(a, Tensor) and a.id in owned and uses[a.id] == 1 \
                     and a.id not in outputs and a.shape == out.shape and a.dtype == out.dtype:
@@ -64,6 +64,17 @@ def _in_place(graph):
     return plan
 
 
+@functools.lru_cache(maxsize=None)
+def _in_place_form(target):
+    """(the in-place overload of element-wise ``target`` or None, the
+    positions of the operands it may write: the first, or either of a
+    commutative op's two)."""
+    name = target.overloadpacket.__name__
+    kernel = getattr(getattr(aten, name + "_", None), target._overloadname, None)
+    return kernel, ((0, 1) if name in _COMMUTATIVE else (0,))
+
+
+@functools.lru_cache(maxsize=None)
 def _aliases(target):
     schema = getattr(target, "_schema", None)
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
@@ -190,6 +201,7 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
         lines.append("    " + "".join(name_of(t) + ", " for t in graph.inputs) + "= inputs")
     views: dict = {}        # (view op, its arguments) -> the name of its first result
     body = []         # (line, names it reads, names it makes)
+    groups = []       # per line: the rule copy its op belongs to (Op.rule_copy)
     for k, op in enumerate(graph.ops):
         fn = f"_op{k}"
         reads = set()
@@ -250,6 +262,7 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
         else:
             made = [name_of(op.outputs[0])]
             body.append((f"    {made[0]} = {call}" + check.format(made[0]), reads, made))
+        groups.append(op.rule_copy)
     # each intermediate is released after its last use, as eager autograd
     # frees activations during backward (holding them all until the return
     # made large models page-fault on fresh memory at every step)
@@ -262,16 +275,21 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
     for n, i in last.items():
         if n not in keep:
             free[i].append(n)
-    for (line, _, _), dead in zip(body, free):
-        lines.append(line)
-        if dead:
-            lines.append("    del " + ", ".join(sorted(dead)))
+    shared = ""
+    if max(groups, default=-1) >= 0:        # copies of a rule: each text compiled once
+        calls, shared = segments.assemble(body, free, groups, keep, glb)
+        lines += calls
+    else:
+        for (line, _, _), dead in zip(body, free):
+            lines.append(line)
+            if dead:
+                lines.append("    del " + ", ".join(sorted(dead)))
     returned = []
     for k, t in enumerate(graph.outputs):    # the graph's outputs: fp16 as fp16
         takes[0] = k in wide_outputs
         returned.append(render(t))
     lines.append("    return [" + ", ".join(returned) + "]")
-    source = "\n".join(lines)
+    source = "\n".join(lines) + ("\n" + shared if shared else "")
     device = host_device.current()
     if device.type != "cpu":
         _place(glb, traced, device)

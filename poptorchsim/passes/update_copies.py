@@ -106,12 +106,15 @@ def lower_copies(copies: RuleCopies, name, roles, took: Optional[dict] = None) -
     for i, (sub, traced) in enumerate(copies.rules):
         rule, traced = rules[id(sub)], tuple(traced)
         mine = dict(zip(rule.graph.inputs, (graph.inputs[k] for k in inputs_of(i))))
+        first = len(ops)
         for node_name, op in rule.nodes:
             new_name = names.create_name(node_name, None)
             if op is None:              # a getitem or a node lowering drops: no op
                 continue
             rule.copy(op, new_name, mine, traced, layouts[i].shape, merged, ops, made,
                       owner, i)
+        for op in ops[first:]:
+            op.rule_copy = i
         outputs.append([mine[t] for t in rule.graph.outputs])
     # (new params, new state, new steps), flattened
     flat = ([outs[0] for outs in outputs]
@@ -323,10 +326,12 @@ def _with_scalar_casts(ops, inputs, made):
     after.sort(key=lambda entry: (entry[0], entry[1]))
     merged_ops, k = [], 0
     for i, op in enumerate([None] + ops):
-        # the casts of what op i - 1 made (i = 0: of the inputs) follow it
+        # the casts of what op i - 1 made (i = 0: of the inputs) follow it, in its
+        # parameter's copy of the rule
         if op is not None:
             merged_ops.append(op)
         while k < len(after) and after[k][0][0] == i - 1:
+            after[k][2].rule_copy = -1 if op is None else op.rule_copy
             merged_ops.append(after[k][2])
             k += 1
     return merged_ops
