@@ -50,7 +50,7 @@ def _update(tm):
 
 def _float64(op):
     return any(t is not None and t.dtype == torch.float64
-               for t in list(op.outputs) + op.input_tensors())
+               for t in list(op.outputs) + list(op.input_tensors()))
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

@@ -14,6 +14,7 @@ arguments in order, its outputs become the op's results.
 Text forms come from ``ir.printer``, which registers its formatters in
 ``FORMATTERS`` (the printer imports this module, never the reverse).
 """
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional
 
@@ -50,14 +51,12 @@ class Tensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= int(s)
-        return n
+        return int(math.prod(self.shape))
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
+        size = _ITEMSIZE.get(self.dtype)
+        return int(math.prod(self.shape)) * (size if size is not None else _itemsize(self.dtype))
 
     def __repr__(self) -> str:
         return f"%{self.name}"
@@ -116,18 +115,18 @@ class Op:
         if self.cost_class is not None:
             self.cost_class = CostClass(self.cost_class)
 
-    def input_tensors(self) -> list["Tensor"]:
+    def input_tensors(self) -> tuple["Tensor", ...]:
         """The Tensors among the op's arguments, in order.  Passes read it
         many times: it is kept while ``args`` and ``kwargs`` are the same
         objects (a pass that rewrites an op's arguments assigns new ones)."""
         cached = self._inputs
         if cached is not None and cached[0] is self.args and cached[1] is self.kwargs:
-            return list(cached[2])
+            return cached[2]
         found: list[Tensor] = []
         _collect(self.args, found)
         _collect(self.kwargs, found)
         self._inputs = (self.args, self.kwargs, tuple(found))
-        return found
+        return self._inputs[2]
 
 
 def _collect(x: Any, found: list[Tensor]) -> None:
