@@ -183,18 +183,20 @@ class _Factories(torch.nn.Module):
         return out, torch.nn.functional.cross_entropy(out, y)
 
 
-def test_graphs_compiled_for_cuda_place_their_constants_there(monkeypatch):
+@pytest.mark.parametrize("optimizer", ["SGD", "LAMB"])
+def test_graphs_compiled_for_cuda_place_their_constants_there(monkeypatch, optimizer):
     """Without a GPU, fake CUDA tensors (``FakeTensorMode``, which checks
-    every op's devices as CUDA would): a training step and its SGD update,
-    compiled for a CUDA host device, run on CUDA inputs with every traced
-    device and constant on CUDA; compiled for the CPU, the same step mixes
-    devices."""
+    every op's devices as CUDA would): a training step and its update
+    (LAMB's copies of its rule as calls of shared functions, which take
+    their constants as arguments), compiled for a CUDA host device, run on
+    CUDA inputs with every traced device and constant on CUDA; compiled for
+    the CPU, the same step mixes devices."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from poptorchsim.machine import codegen, host_device
     model = _Factories()
     tm = poptorch.trainingModel(model, poptorch.Options(),
-                                poptorch.optim.SGD(model.parameters(), lr=0.1))
+                                getattr(poptorch.optim, optimizer)(model.parameters(), lr=0.1))
     tm.compile(torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,)))
     graphs = tm._compiled.program.graphs
     cuda = torch.device("cuda")
@@ -202,8 +204,10 @@ def test_graphs_compiled_for_cuda_place_their_constants_there(monkeypatch):
         monkeypatch.setattr(host_device, "current", lambda: cuda)
         for name in ("training_step", "optimizer_update"):
             graph = graphs[name]
-            outs = codegen.compile_graph(graph)(
-                [torch.empty(t.shape, dtype=t.dtype, device=cuda) for t in graph.inputs])
+            fn = codegen.compile_graph(graph)
+            assert ("\ndef _s" in fn.source) == (name == "optimizer_update"
+                                                 and optimizer == "LAMB"), name
+            outs = fn([torch.empty(t.shape, dtype=t.dtype, device=cuda) for t in graph.inputs])
             assert {o.device.type for o in outs} == {"cuda"}, name
         monkeypatch.setattr(host_device, "current", lambda: torch.device("cpu"))
         step = graphs["training_step"]

@@ -275,6 +275,9 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
     for n, i in last.items():
         if n not in keep:
             free[i].append(n)
+    device = host_device.current()
+    if device.type != "cpu":        # before the shared functions take their constants
+        _place(glb, traced, device)
     shared = ""
     if max(groups, default=-1) >= 0:        # copies of a rule: each text compiled once
         calls, shared = segments.assemble(body, free, groups, keep, glb)
@@ -290,9 +293,6 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
         returned.append(render(t))
     lines.append("    return [" + ", ".join(returned) + "]")
     source = "\n".join(lines) + ("\n" + shared if shared else "")
-    device = host_device.current()
-    if device.type != "cpu":
-        _place(glb, traced, device)
     code = compile(source, f"<poptorchsim graph {graph.name}>", "exec")
     exec(code, glb)  # noqa: S102 - our own generated code
     run: Any = glb["run"]          # the generated function, with its source and branches

@@ -60,7 +60,8 @@ def _inline(lines, text, dead):
 
 def _call(lines, span, body, free, keep, last_use, glb, shared, defs, calls):
     """The lines of ``span`` as one call of a shared function."""
-    made = {n for k in span for n in body[k][2]}
+    order = {n: m for m, n in enumerate(n for k in span for n in body[k][2])}
+    made = set(order)
     end = span[-1]
     # made here and read after (or kept): returned to the caller
     returned = [n for k in span for n in body[k][2]
@@ -68,12 +69,14 @@ def _call(lines, span, body, free, keep, last_use, glb, shared, defs, calls):
     rename: dict = {}
     reads: list = []           # names from outside, the function's arguments
     globals_: list = []        # kernels and constants, its first argument
+    n_made = [0]
 
     def local(m):
         n = m.group(0)
         if n not in rename:
             if n in made:
-                rename[n] = f"t{len(rename)}"
+                rename[n] = f"t{n_made[0]}"
+                n_made[0] += 1
             elif n in glb:
                 rename[n] = f"k{len(globals_)}"
                 globals_.append(n)
@@ -85,7 +88,7 @@ def _call(lines, span, body, free, keep, last_use, glb, shared, defs, calls):
     outside_dead = []
     for k in span:
         raw.append(body[k][0])
-        inside = sorted(n for n in free[k] if n in made)
+        inside = sorted((n for n in free[k] if n in made), key=order.__getitem__)
         outside_dead += [n for n in free[k] if n not in made]
         if inside:
             raw.append("    del " + ", ".join(inside))
