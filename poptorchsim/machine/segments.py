@@ -18,7 +18,7 @@ import re
 
 # names in generated lines: tensors (v12), kernels and what they hold (_op3,
 # _op3_fp, _op3_body), constants (_c7)
-_NAME = re.compile(r"\b(?:v\d+|_op\d+\w*|_c\d+)\b")
+_NAME = re.compile(r"\b(v\d+|_op\d+\w*|_c\d+)\b")
 
 MIN_OPS = 8         # a shorter run is written inline
 
@@ -66,24 +66,6 @@ def _call(lines, span, body, free, keep, last_use, glb, shared, defs, calls):
     # made here and read after (or kept): returned to the caller
     returned = [n for k in span for n in body[k][2]
                 if n in keep or last_use.get(n, end) > end]
-    rename: dict = {}
-    reads: list = []           # names from outside, the function's arguments
-    globals_: list = []        # kernels and constants, its first argument
-    n_made = [0]
-
-    def local(m):
-        n = m.group(0)
-        if n not in rename:
-            if n in made:
-                rename[n] = f"t{n_made[0]}"
-                n_made[0] += 1
-            elif n in glb:
-                rename[n] = f"k{len(globals_)}"
-                globals_.append(n)
-            else:
-                rename[n] = f"a{len(reads)}"
-                reads.append(n)
-        return rename[n]
     raw = []
     outside_dead = []
     for k in span:
@@ -92,7 +74,24 @@ def _call(lines, span, body, free, keep, last_use, glb, shared, defs, calls):
         outside_dead += [n for n in free[k] if n not in made]
         if inside:
             raw.append("    del " + ", ".join(inside))
-    text = _NAME.sub(local, "\n".join(raw))
+    # the text split at its names (odd items), each renamed in order of appearance
+    parts = _NAME.split("\n".join(raw))
+    rename: dict = {}
+    reads: list = []           # names from outside, the function's arguments
+    globals_: list = []        # kernels and constants, its first argument
+    n_made = 0
+    for n in dict.fromkeys(parts[1::2]):
+        if n in made:
+            rename[n] = f"t{n_made}"
+            n_made += 1
+        elif n in glb:
+            rename[n] = f"k{len(globals_)}"
+            globals_.append(n)
+        else:
+            rename[n] = f"a{len(reads)}"
+            reads.append(n)
+    parts[1::2] = [rename[n] for n in parts[1::2]]
+    text = "".join(parts)
     out = [rename[n] for n in returned]
     head = "(K" + "".join(", " + rename[n] for n in reads) + "):"
     unpack = "    " + "".join(rename[n] + ", " for n in globals_) + "= K" if globals_ else ""
