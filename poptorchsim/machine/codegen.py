@@ -278,15 +278,10 @@ def compile_graph(graph, branches=None, rounding=None, watch=None, fp_checks=Non
     device = host_device.current()
     if device.type != "cpu":        # before the shared functions take their constants
         _place(glb, traced, device)
-    shared = ""
-    if max(groups, default=-1) >= 0:        # copies of a rule: each text compiled once
-        calls, shared = segments.assemble(body, free, groups, keep, glb)
-        lines += calls
-    else:
-        for (line, _, _), dead in zip(body, free):
-            lines.append(line)
-            if dead:
-                lines.append("    del " + ", ".join(sorted(dead)))
+    # the lines, each followed by what dies there; copies of a rule as calls of
+    # a function per distinct text (segments.py)
+    calls, shared = segments.assemble(body, free, groups, keep, glb)
+    lines += calls
     returned = []
     for k, t in enumerate(graph.outputs):    # the graph's outputs: fp16 as fp16
         takes[0] = k in wide_outputs
