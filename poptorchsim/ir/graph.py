@@ -55,8 +55,7 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        size = _ITEMSIZE.get(self.dtype)
-        return int(math.prod(self.shape)) * (size if size is not None else _itemsize(self.dtype))
+        return self.numel * _itemsize(self.dtype)
 
     def __repr__(self) -> str:
         return f"%{self.name}"

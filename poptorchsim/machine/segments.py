@@ -4,8 +4,8 @@ rule (the optimizer update's copy of its rule for each parameter,
 
 ``codegen.compile_graph`` writes one line per op; Python's ``compile()``
 takes about 7 microseconds a line, and BERT-Large's LAMB update is 17,000
-ops (27,000 lines with the ``del`` lines): a third of a second of every
-compile, for 400 copies of a few texts.  Here each run of a copy's lines is
+ops (27,000 lines with the ``del`` lines): 0.2-0.3 s of every compile,
+for 400 copies of a few texts.  Here each run of a copy's lines is
 written as a function of the tensors it reads from outside, its kernels and
 constants passed in as one tuple, returning the tensors that later lines
 read; runs with the same text (their names renumbered in order of
@@ -96,8 +96,7 @@ def _call(lines, span, body, free, keep, last_use, glb, shared, defs, calls):
     head = "(K" + "".join(", " + rename[n] for n in reads) + "):"
     unpack = "    " + "".join(rename[n] + ", " for n in globals_) + "= K" if globals_ else ""
     tail = "    return (" + "".join(n + ", " for n in out) + ")"
-    source = "\n".join([head, unpack, text, tail]) if unpack else \
-        "\n".join([head, text, tail])
+    source = "\n".join(part for part in (head, unpack, text, tail) if part)
     fn = shared.get(source)
     if fn is None:
         fn = shared[source] = f"_s{len(shared)}"
